@@ -1,0 +1,109 @@
+"""Bundle save/load round trips, bf16 storage, sharding, atomic replace and clear errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssv_jax import checkpoint as ck
+from ssv_jax.config import get_config
+from ssv_jax.tokenizer import train_tokenizer
+
+
+def _params(key=0):
+    k = jax.random.split(jax.random.key(key), 3)
+    return {"embed": jax.random.normal(k[0], (64, 16)),
+            "layers": {"wq": jax.random.normal(k[1], (2, 16, 32)), "norm": jnp.ones((2, 16))},
+            "d2t": jnp.arange(8, dtype=jnp.int32)}
+
+
+def test_round_trip_fp32_exact(tmp_path):
+    cfg = get_config("tiny")
+    p = _params()
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300, show_progress=False)
+    ck.save_bundle(tmp_path / "b", cfg, p, tokenizer=tok, extra_meta={"steps": 3})
+    b = ck.load_bundle(tmp_path / "b")
+    # ModelConfig.to_dict resolves feature_layers=None to the explicit taps, so compare the dicts.
+    assert b.cfg.to_dict() == cfg.to_dict() and b.draft_cfg is None and b.draft_params is None
+    assert jax.tree.structure(b.params) == jax.tree.structure(p)
+    for a, c in zip(jax.tree.leaves(p), jax.tree.leaves(b.params)):
+        assert a.dtype == c.dtype and np.array_equal(np.asarray(a), np.asarray(c))
+    assert b.tokenizer.encode("return x") == tok.encode("return x")
+    assert ck.read_bundle_meta(tmp_path / "b")["meta"] == {"steps": 3}
+
+
+def test_bf16_storage_and_load_dtype(tmp_path):
+    p = _params()
+    ck.save_bundle(tmp_path / "b", get_config("tiny"), p, dtype="bfloat16")
+    meta = ck.read_bundle_meta(tmp_path / "b")
+    assert meta["tensors"]["target"]["embed"]["dtype"] == "bfloat16"
+    assert meta["tensors"]["target"]["d2t"]["dtype"] == "int32"  # integers are never cast
+    b = ck.load_bundle(tmp_path / "b", dtype=None)
+    assert b.params["embed"].dtype == jnp.bfloat16 and b.params["d2t"].dtype == jnp.int32
+    f = ck.load_bundle(tmp_path / "b")
+    assert f.params["embed"].dtype == jnp.float32
+    np.testing.assert_allclose(f.params["embed"], p["embed"], rtol=1e-2, atol=1e-2)
+    assert np.array_equal(f.params["embed"], p["embed"].astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_sharding(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck, "SHARD_BYTES", 3000)
+    p = _params()
+    ck.save_bundle(tmp_path / "b", get_config("tiny"), p)
+    shards = sorted(x.name for x in (tmp_path / "b").glob("target-*.safetensors"))
+    assert len(shards) >= 3
+    b = ck.load_bundle(tmp_path / "b")
+    assert np.array_equal(b.params["layers"]["wq"], p["layers"]["wq"])
+
+
+def test_atomic_replace_needs_force(tmp_path):
+    cfg = get_config("tiny")
+    ck.save_bundle(tmp_path / "b", cfg, _params(0))
+    with pytest.raises(FileExistsError, match="force"):
+        ck.save_bundle(tmp_path / "b", cfg, _params(1))
+    ck.save_bundle(tmp_path / "b", cfg, _params(1), force=True)
+    assert np.array_equal(ck.load_bundle(tmp_path / "b").params["embed"], _params(1)["embed"])
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["b"]  # no temp or old directories left
+
+
+def test_failed_save_leaves_nothing(tmp_path):
+    with pytest.raises(ValueError, match="accepted"):
+        ck.save_bundle(tmp_path / "b", get_config("tiny"), {"x": [1, 2]})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_errors_on_missing_and_corrupt(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ck.load_bundle(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="config.json is missing"):
+        ck.load_bundle(tmp_path / "empty")
+    ck.save_bundle(tmp_path / "b", get_config("tiny"), _params())
+    shard = next((tmp_path / "b").glob("target-*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="SHA-256"):
+        ck.load_bundle(tmp_path / "b")
+    shard.unlink()
+    with pytest.raises(ValueError, match="missing"):
+        ck.load_bundle(tmp_path / "b")
+    cj = tmp_path / "b" / "config.json"
+    cj.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not a bundle"):
+        ck.load_bundle(tmp_path / "b")
+
+
+def test_train_checkpointer_resumes(tmp_path):
+    state = {"params": _params(), "step": jnp.asarray(7)}
+    c = ck.TrainCheckpointer(tmp_path / "ckpt", keep=1)
+    assert c.restore(state) == (0, None)
+    c.save(7, state)
+    c.save(9, jax.tree.map(lambda x: x + 1, state))
+    step, got = c.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+    c.close()
+    assert step == 9 and int(got["step"]) == 8
+    assert np.array_equal(got["params"]["embed"], _params()["embed"] + 1)
+    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()] == ["9"]
