@@ -1,0 +1,75 @@
+"""The target's KV cache: per-layer keys/values and compressed keys/values (DESIGN.md, NSA semantics 1).
+
+Keys are stored post-RoPE. Compressed blocks are appended incrementally as blocks complete and are never
+recomputed from scratch during decode. Slot s of `k`/`v` holds the key at absolute position s; the first
+`length[b]` slots are committed. Positions are int32; the largest index formed is S*Hkv*D per layer
+(131K * 8 * 128 = 2^27 for the 8B shape), well inside int32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, B, S, Hkv, D]
+    v: jax.Array  # [L, B, S, Hkv, D]
+    kc: jax.Array  # [L, B, S // d, Hkv, D]
+    vc: jax.Array  # [L, B, S // d, Hkv, D]
+    length: jax.Array  # [B] int32 committed tokens
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+def cache_capacity(cfg: ModelConfig, max_len: int | None = None) -> int:
+    """Slots needed for `max_len` tokens, rounded up to a multiple of the selection block."""
+    n = cfg.max_seq_len if max_len is None else max_len
+    ls = cfg.slc_block
+    cap = -(-n // ls) * ls
+    if cap // ls < cfg.n_slc:
+        cap = cfg.n_slc * ls  # routing needs at least n selection blocks to choose from
+    return cap
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None, dtype=jnp.float32) -> KVCache:
+    """An empty cache with room for `max_len` tokens (default `cfg.max_seq_len`)."""
+    if batch < 1:
+        raise ValueError(f"batch={batch} is invalid; accepted: >= 1")
+    S = cache_capacity(cfg, max_len)
+    shp = (cfg.n_layers, batch, S, cfg.n_kv_heads, cfg.head_dim)
+    cshp = (cfg.n_layers, batch, S // cfg.cmp_stride, cfg.n_kv_heads, cfg.head_dim)
+    z = jnp.zeros
+    return KVCache(z(shp, dtype), z(shp, dtype), z(cshp, dtype), z(cshp, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """buf [B, S, ...] <- rows [B, A, ...] at per-batch offsets `start` [B] (caller guarantees start + A <= S)."""
+    return jax.vmap(lambda b, r, s: jax.lax.dynamic_update_slice_in_dim(b, r.astype(b.dtype), s, 0))(
+        buf, rows, start)
+
+
+def completed_blocks(k: jax.Array, start: jax.Array, n_new: jax.Array, max_new: int, cfg: ModelConfig,
+                     w=None, pe=None) -> tuple[jax.Array, jax.Array]:
+    """The compressed blocks that complete among the `n_new` [B] tokens just written at `start` [B].
+
+    k [B, S, Hkv, D] is the updated key buffer. Returns (slot [B, K], block [B, K, Hkv, D]) with slot = Nc
+    (= S // d, out of range: to be dropped) where no block completes. At most max_new // d + 1 blocks complete, so
+    the work is static and proportional to the new tokens, never to the context."""
+    l, d = cfg.cmp_len, cfg.cmp_stride
+    nc = k.shape[1] // d
+    K = max_new // d + 1
+    c_lo = nsa.num_complete_blocks(start, cfg)  # first block that was not complete before
+    c = c_lo[:, None] + jnp.arange(K)[None, :]  # [B, K]
+    ok = (c * d + l - 1 <= (start + n_new - 1)[:, None]) & (c < nc)
+    pos = c[..., None] * d + jnp.arange(l)  # [B, K, l]
+    blocks = jax.vmap(lambda kk, pp: kk[jnp.clip(pp, 0, kk.shape[0] - 1)])(k, pos)  # [B, K, l, Hkv, D]
+    new = nsa.compress(blocks, cfg, w, pe)
+    return jnp.where(ok, c, nc), new

@@ -1,0 +1,345 @@
+"""The EAGLE-3 draft head (DESIGN.md, "Drafting and acceptance").
+
+One decoder layer over a fused target feature and the embedding of the next token:
+
+    h_in  = fc(concat(target features at the tapped layers))      [.., H]   (first step at a position)
+          | the head's own previous pre-norm output                [.., H]   (later tree steps, no fc)
+    x     = concat[input_norm(embed(token)), hidden_norm(h_in)]      [.., 2H]
+    h_mid = h_in + attn(x) @ wo                                      (RoPE with the head's own base)
+    h_out = h_mid + mlp(post_norm(h_mid))                            the "hidden" returned everywhere
+    logits = norm(h_out) @ lm_head                                   over the draft vocabulary [.., Vd]
+    target id = draft id + d2t[draft id]
+
+Position convention (EAGLE-3): the head entry at position i consumes (the target feature of position i, the token
+x_{i+1}) and predicts x_{i+2}. Its KV cache slot is i. So after a prompt x_0..x_{T-1} and a sampled x_T, the draft
+cache holds slots 0..T-1 and the hidden of slot T-1 predicts x_{T+1}, the first tree level (see `tree.build_tree`).
+
+Parameters are a plain dict of arrays (`init_draft_params`); `Eagle3Head` is a thin Flax NNX module owning them.
+Matmul weights are stored [in, out].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ssv_jax.config import ModelConfig
+
+WEIGHT_NAMES = ("fc", "hidden_norm", "input_norm", "post_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
+                "norm", "lm_head")
+BUFFER_NAMES = ("d2t", "t2d")
+
+
+# -- config ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DraftConfig:
+    """Shape of an EAGLE-3 head. Frozen and hashable (a valid `jax.jit` static argument).
+
+    `feature_layers` are the target layers whose *inputs* are fused by `fc` (must equal the target's
+    `ModelConfig.features`). `has_embed=False` means the head has no embedding table and the target's is passed
+    in. `max_seq_len` is the draft cache length. `rope_theta` is the head's own RoPE base (plain RoPE, no scaling).
+    """
+
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    draft_vocab: int
+    target_vocab: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    feature_layers: tuple[int, ...] = (2, 16, 29)  # (2, L/2, L-3) for the 32-layer Llama-3.1-8B
+    has_embed: bool = False
+    max_seq_len: int = 2048
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, value, accepted: str):
+            if not ok:
+                raise ValueError(f"DraftConfig.{name}={value!r} is invalid; accepted: {accepted}")
+
+        for f in ("hidden", "n_heads", "n_kv_heads", "ffn", "draft_vocab", "target_vocab", "max_seq_len"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and v >= 1, f, v, "an integer >= 1")
+        need(isinstance(self.head_dim, int) and self.head_dim >= 2 and self.head_dim % 2 == 0, "head_dim",
+             self.head_dim, "an even integer >= 2 (RoPE rotates halves)")
+        need(self.n_heads % self.n_kv_heads == 0, "n_heads", self.n_heads,
+             f"a multiple of n_kv_heads={self.n_kv_heads}")
+        need(self.draft_vocab <= self.target_vocab, "draft_vocab", self.draft_vocab,
+             f"an integer in [1, target_vocab={self.target_vocab}]")
+        need(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
+        need(self.norm_eps > 0, "norm_eps", self.norm_eps, "> 0")
+        fl = self.feature_layers
+        need(isinstance(fl, tuple) and len(fl) >= 1 and all(isinstance(i, int) and i >= 0 for i in fl),
+             "feature_layers", fl, "a non-empty tuple of layer indices >= 0")
+
+    @property
+    def n_features(self) -> int:
+        """Number of fused target features (fc input is n_features * hidden)."""
+        return len(self.feature_layers)
+
+    @classmethod
+    def for_target(cls, model_cfg: ModelConfig, draft_vocab: int | None = None, **overrides) -> "DraftConfig":
+        """A head matching `model_cfg`: same hidden size, attention shape and FFN, the target's feature taps and
+        vocabulary, RoPE base 10000 (the published Llama-3.1 head) and the target's cache length."""
+        kw = dict(hidden=model_cfg.hidden, n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads,
+                  head_dim=model_cfg.head_dim, ffn=model_cfg.ffn,
+                  draft_vocab=model_cfg.vocab_size if draft_vocab is None else draft_vocab,
+                  target_vocab=model_cfg.vocab_size, rope_theta=10000.0, norm_eps=model_cfg.norm_eps,
+                  feature_layers=tuple(model_cfg.features), has_embed=False, max_seq_len=model_cfg.max_seq_len)
+        kw.update(overrides)
+        return cls(**kw)
+
+    def replace(self, **kw) -> "DraftConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def check_compatible(dcfg: DraftConfig, model_cfg: ModelConfig) -> None:
+    """Raise `ValueError` if the head cannot draft for `model_cfg` (hidden size, vocabulary or feature taps)."""
+    if dcfg.hidden != model_cfg.hidden:
+        raise ValueError(f"draft/target mismatch: DraftConfig.hidden={dcfg.hidden} but the target hidden size is "
+                         f"{model_cfg.hidden}; accepted: equal hidden sizes")
+    if dcfg.target_vocab != model_cfg.vocab_size:
+        raise ValueError(f"draft/target mismatch: DraftConfig.target_vocab={dcfg.target_vocab} but the target "
+                         f"vocab_size is {model_cfg.vocab_size}; accepted: equal vocabularies")
+    if tuple(dcfg.feature_layers) != tuple(model_cfg.features):
+        raise ValueError(f"draft/target mismatch: DraftConfig.feature_layers={tuple(dcfg.feature_layers)} but the "
+                         f"target taps {tuple(model_cfg.features)}; accepted: the same layer indices")
+
+
+# -- parameters ------------------------------------------------------------------------------------------------
+def init_draft_params(dcfg: DraftConfig, key: jax.Array, dtype=jnp.float32, d2t: jax.Array | None = None) -> dict:
+    """Random head parameters (normal, std 1/sqrt(fan_in); norms ones).
+
+    `d2t` [Vd] int32 maps draft id i to target id i + d2t[i]; by default the draft vocabulary is the first Vd
+    target ids (d2t = 0). `t2d` [V] bool marks the target ids that are in the draft vocabulary.
+    An `embed` [V, H] table is created only when `dcfg.has_embed`.
+    """
+    H, D, F = dcfg.hidden, dcfg.head_dim, dcfg.ffn
+    Hq, Hkv, nF = dcfg.n_heads, dcfg.n_kv_heads, dcfg.n_features
+    shapes = {"fc": (nF * H, H), "wq": (2 * H, Hq * D), "wk": (2 * H, Hkv * D), "wv": (2 * H, Hkv * D),
+              "wo": (Hq * D, H), "w_gate": (H, F), "w_up": (H, F), "w_down": (F, H), "lm_head": (H, dcfg.draft_vocab)}
+    keys = jax.random.split(key, len(shapes) + 1)
+    p = {}
+    for k, (name, shp) in zip(keys, shapes.items()):
+        p[name] = (jax.random.normal(k, shp, jnp.float32) / math.sqrt(shp[0])).astype(dtype)
+    for name in ("hidden_norm", "input_norm", "post_norm", "norm"):
+        p[name] = jnp.ones((H,), dtype)
+    if d2t is None:
+        d2t = jnp.zeros((dcfg.draft_vocab,), jnp.int32)
+    d2t = jnp.asarray(d2t, jnp.int32)
+    if d2t.shape != (dcfg.draft_vocab,):
+        raise ValueError(f"d2t has shape {d2t.shape}; accepted: ({dcfg.draft_vocab},)")
+    p["d2t"] = d2t
+    p["t2d"] = jnp.zeros((dcfg.target_vocab,), bool).at[jnp.arange(dcfg.draft_vocab) + d2t].set(True)
+    if dcfg.has_embed:
+        p["embed"] = jax.random.normal(keys[-1], (dcfg.target_vocab, H), jnp.float32).astype(dtype)
+    return p
+
+
+def draft_to_target(params: dict, draft_ids: jax.Array) -> jax.Array:
+    """Draft-vocabulary ids -> target-vocabulary ids (`target = draft + d2t[draft]`)."""
+    return draft_ids + params["d2t"][draft_ids]
+
+
+def _embedding(params: dict, embed: jax.Array | None) -> jax.Array:
+    if "embed" in params:
+        return params["embed"]
+    if embed is None:
+        raise ValueError("the draft head has no embedding (has_embed=False): pass the target's embedding table "
+                         "[target_vocab, hidden] as `embed`")
+    return embed
+
+
+# -- cache -----------------------------------------------------------------------------------------------------
+class DraftCache(NamedTuple):
+    """The head's own dense KV cache. Slot s holds the (post-RoPE) key/value of the head entry at position s;
+    the first `length` [B] slots are committed. k, v: [B, S, Hkv, D]."""
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+
+def init_draft_cache(dcfg: DraftConfig, batch: int, dtype=jnp.float32, max_len: int | None = None) -> DraftCache:
+    """An empty cache of `max_len` (default `dcfg.max_seq_len`) slots."""
+    S = dcfg.max_seq_len if max_len is None else max_len
+    z = jnp.zeros((batch, S, dcfg.n_kv_heads, dcfg.head_dim), dtype)
+    return DraftCache(z, z, jnp.zeros((batch,), jnp.int32))
+
+
+# -- the layer -------------------------------------------------------------------------------------------------
+def _rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (w.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE (the HF/EAGLE layout): x [B, M, heads, D] at positions pos [B, M]."""
+    D = x.shape[-1]
+    inv = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    ang = pos.astype(jnp.float32)[..., None] * inv  # [B, M, D/2]
+    cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    rot = jnp.concatenate([-xf[..., D // 2:], xf[..., :D // 2]], -1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+def _qkv(params, dcfg: DraftConfig, emb, h, pos):
+    B, M, _ = h.shape
+    x = jnp.concatenate([_rms(emb, params["input_norm"], dcfg.norm_eps),
+                         _rms(h, params["hidden_norm"], dcfg.norm_eps)], axis=-1)
+    D = dcfg.head_dim
+    q = (x @ params["wq"]).reshape(B, M, dcfg.n_heads, D)
+    k = (x @ params["wk"]).reshape(B, M, dcfg.n_kv_heads, D)
+    v = (x @ params["wv"]).reshape(B, M, dcfg.n_kv_heads, D)
+    return rope(q, pos, dcfg.rope_theta), rope(k, pos, dcfg.rope_theta), v
+
+
+def _attend(q, parts, dcfg: DraftConfig):
+    """Joint softmax of q [B, M, Hq, D] over several key sets without concatenating them.
+
+    `parts` is a list of (k [B, S_i, Hkv, D], v [B, S_i, Hkv, D], mask [B, M, S_i]). Returns [B, M, Hq*D]."""
+    B, M, Hq, D = q.shape
+    Hkv = dcfg.n_kv_heads
+    qg = q.reshape(B, M, Hkv, Hq // Hkv, D).astype(jnp.float32) / math.sqrt(D)
+    scores = []
+    for k, v, mask in parts:
+        s = jnp.einsum("bmhgd,bshd->bhgms", qg, k.astype(jnp.float32))
+        scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
+    m = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores], 0), 0)  # [B, Hkv, G, M]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+    num, den = 0.0, 0.0
+    for s, (k, v, mask) in zip(scores, parts):
+        e = jnp.exp(s - m)
+        den = den + jnp.sum(e, axis=-1)
+        num = num + jnp.einsum("bhgms,bshd->bmhgd", e, v.astype(jnp.float32))
+    den = jnp.maximum(den, 1e-30)  # all-masked rows (invalid queries only) give zeros
+    out = num / jnp.transpose(den, (0, 3, 1, 2))[..., None]
+    return out.reshape(B, M, Hq * D).astype(q.dtype)
+
+
+def _finish(params, dcfg: DraftConfig, h, attn):
+    h = h + attn @ params["wo"]
+    x = _rms(h, params["post_norm"], dcfg.norm_eps)
+    h = h + (jax.nn.silu(x @ params["w_gate"]) * (x @ params["w_up"])) @ params["w_down"]
+    return h
+
+
+def draft_logits(params: dict, dcfg: DraftConfig, hidden: jax.Array) -> jax.Array:
+    """Draft-vocabulary logits [.., Vd] (fp32) of pre-norm head outputs `hidden` [.., H]."""
+    return (_rms(hidden, params["norm"], dcfg.norm_eps) @ params["lm_head"]).astype(jnp.float32)
+
+
+def draft_extend(params: dict, dcfg: DraftConfig, embed: jax.Array | None, feats: jax.Array,
+                 next_tokens: jax.Array, positions: jax.Array, valid: jax.Array, cache: DraftCache):
+    """Run the head on A entries and commit the valid ones into its cache (prefill, and committing accepted
+    tokens after verification).
+
+    Args:
+      params, dcfg: the head; `embed` [V, H] the target's embedding (ignored when the head has its own).
+      feats: [B, A, n_features*H] concatenated target features (inputs of `dcfg.feature_layers`) at target
+        position `positions`.
+      next_tokens: [B, A] target ids x_{pos+1}, the token *following* each feature's position.
+      positions: [B, A] int; the entry at position i is written to cache slot i. Valid entries of a row must be
+        the contiguous positions cache.length, cache.length+1, ...
+      valid: [B, A] bool; invalid entries (a padded tail) are not written and their outputs are meaningless.
+    Returns:
+      hidden [B, A, H] (pre-norm outputs; `hidden[:, j]` is the root hidden for the token `next_tokens[:, j]`),
+      logits [B, A, Vd] fp32 (predicting x_{pos+2}), and the updated cache (length = last valid position + 1).
+    Each entry attends causally to every committed slot <= its position (the cache after this call's writes).
+    """
+    emb = _embedding(params, embed)[next_tokens].astype(params["fc"].dtype)
+    h = feats.astype(params["fc"].dtype) @ params["fc"]
+    q, k, v = _qkv(params, dcfg, emb, h, positions)
+    B, S = cache.k.shape[:2]
+    slot = jnp.where(valid, positions, S)  # out of range -> dropped
+    bidx = jnp.arange(B)[:, None]
+    ck = cache.k.at[bidx, slot].set(k.astype(cache.k.dtype), mode="drop")
+    cv = cache.v.at[bidx, slot].set(v.astype(cache.v.dtype), mode="drop")
+    new_len = jnp.maximum(cache.length, jnp.max(jnp.where(valid, positions + 1, 0), axis=1)).astype(jnp.int32)
+    s_idx = jnp.arange(S)
+    mask = (s_idx[None, None, :] <= positions[:, :, None]) & (s_idx[None, None, :] < new_len[:, None, None])
+    attn = _attend(q, [(ck, cv, mask)], dcfg)
+    hidden = _finish(params, dcfg, h, attn)
+    return hidden, draft_logits(params, dcfg, hidden), DraftCache(ck, cv, new_len)
+
+
+def draft_tree_step(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hidden: jax.Array,
+                    tokens: jax.Array, positions: jax.Array, cache: DraftCache, ext_k: jax.Array,
+                    ext_v: jax.Array, ext_mask: jax.Array):
+    """One drafting step for M in-flight nodes; nothing is committed.
+
+    Each node attends to every committed cache slot (< cache.length), to the in-flight keys `ext_k/ext_v`
+    [B, E, Hkv, D] it may see (`ext_mask` [B, M, E], normally its in-tree ancestors' entries), and to itself.
+
+    Args:
+      hidden: [B, M, H] the head's own pre-norm output at the node's parent entry (no fc).
+      tokens: [B, M] the nodes' target ids; positions: [B, M] head positions (= the node's target position - 1).
+    Returns:
+      (hidden_out [B, M, H], logits [B, M, Vd] fp32, k [B, M, Hkv, D], v [B, M, Hkv, D]); append k/v to the
+      in-flight buffer to let the nodes' descendants see them.
+    """
+    emb = _embedding(params, embed)[tokens].astype(hidden.dtype)
+    q, k, v = _qkv(params, dcfg, emb, hidden, positions)
+    B, M = tokens.shape
+    S = cache.k.shape[1]
+    cmask = jnp.broadcast_to((jnp.arange(S)[None, :] < cache.length[:, None])[:, None, :], (B, M, S))
+    self_mask = jnp.broadcast_to(jnp.eye(M, dtype=bool)[None], (B, M, M))
+    parts = [(cache.k, cache.v, cmask), (k, v, self_mask)]
+    if ext_k.shape[1] > 0:
+        parts.insert(1, (ext_k, ext_v, ext_mask))
+    attn = _attend(q, parts, dcfg)
+    out = _finish(params, dcfg, hidden, attn)
+    return out, draft_logits(params, dcfg, out), k, v
+
+
+# -- the NNX module --------------------------------------------------------------------------------------------
+class DraftBuffer(nnx.Variable):
+    """Non-trainable head state (the d2t offsets and the t2d mask)."""
+
+
+class Eagle3Head(nnx.Module):
+    """Flax NNX owner of the head parameters (`nnx.Param` weights, `DraftBuffer` d2t/t2d), so `nnx.split` /
+    `nnx.merge` work. The math lives in the pure functions above; `params()` returns their plain dict."""
+
+    def __init__(self, dcfg: DraftConfig, *, rngs: nnx.Rngs | None = None, dtype=jnp.float32,
+                 params: dict | None = None):
+        if params is None:
+            if rngs is None:
+                raise ValueError("Eagle3Head needs `rngs` (to initialise) or `params` (to wrap)")
+            params = init_draft_params(dcfg, rngs.params(), dtype)
+        missing = [n for n in WEIGHT_NAMES + BUFFER_NAMES if n not in params]
+        if dcfg.has_embed and "embed" not in params:
+            missing.append("embed")
+        if missing:
+            raise ValueError(f"draft params lack {missing}")
+        self.dcfg = dcfg
+        for n in WEIGHT_NAMES:
+            setattr(self, n, nnx.Param(params[n]))
+        for n in BUFFER_NAMES:
+            setattr(self, n, DraftBuffer(params[n]))
+        if "embed" in params:
+            self.embed = nnx.Param(params["embed"])
+
+    def params(self) -> dict:
+        """The plain parameter dict used by the pure functions."""
+        names = WEIGHT_NAMES + BUFFER_NAMES + (("embed",) if hasattr(self, "embed") else ())
+        return {n: getattr(self, n)[...] for n in names}
+
+    def extend(self, embed, feats, next_tokens, positions, valid, cache):
+        """`draft_extend` with this head's parameters."""
+        return draft_extend(self.params(), self.dcfg, embed, feats, next_tokens, positions, valid, cache)
+
+    def tree_step(self, embed, hidden, tokens, positions, cache, ext_k, ext_v, ext_mask):
+        """`draft_tree_step` with this head's parameters."""
+        return draft_tree_step(self.params(), self.dcfg, embed, hidden, tokens, positions, cache, ext_k, ext_v,
+                               ext_mask)

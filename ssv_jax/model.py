@@ -1,0 +1,407 @@
+"""The NSA target: a Llama decoder (GQA, RoPE with llama3 scaling, SwiGLU, RMSNorm) whose attention is NSA.
+
+The model is a set of pure functions over a params pytree (a nested dict; layer weights stacked on a leading L
+axis so that layers run under `lax.scan`). `NSATransformer` is the Flax NNX module that owns the parameters:
+`graphdef, state = nnx.split(model)`; `params = state.to_pure_dict()`.
+
+Three entry points share one layer body:
+- `forward`: commit mode. Appends `tokens` at `cache.length` (a prefill chunk or one decode token), updates the
+  compressed cache, returns logits, EAGLE-3 features and the new cache.
+- `forward_tree`: verify mode. Runs draft-tree nodes as in-flight keys under the ancestor mask with per-path
+  compressed blocks; the cache is read only. Returns logits, features and the nodes' K/V for `commit_tree`.
+- `forward_train`: a whole sequence from an empty context, differentiable.
+
+Parameter layout (matmul weights are [in, out]):
+  embed [V, H], norm [H], lm_head [H, V] (absent when tied)
+  layers: attn_norm [L, H], wq [L, H, Hq*D], wk/wv [L, H, Hkv*D], wo [L, Hq*D, H], wg [L, H, Hq*3] (column
+          h*3+j, j = cmp, slc, win), mlp_norm [L, H], w_gate/w_up [L, H, F], w_down [L, F, H];
+          for compression == "mlp": cmp_wk/cmp_wv [L, Hkv, l, D, D], cmp_pek/cmp_pev [L, Hkv, l, D]
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ssv_jax import cache as kvc
+from ssv_jax import nsa, schedule as sched
+from ssv_jax.config import ModelConfig
+
+AttnFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+# -- building blocks -------------------------------------------------------------------------------------------
+def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """Inverse RoPE frequencies [D/2], with llama3 scaling when `scaling` is given."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv.astype(np.float32)
+    lo_wl = scaling.original_max_position / scaling.low_freq_factor
+    hi_wl = scaling.original_max_position / scaling.high_freq_factor
+    wl = 2 * math.pi / inv
+    smooth = (scaling.original_max_position / wl - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    scaled = np.where(wl > lo_wl, inv / scaling.factor, inv)
+    mid = (wl <= lo_wl) & (wl >= hi_wl)
+    scaled = np.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, pos: jax.Array, inv_freq) -> jax.Array:
+    """Rotate-half RoPE (the HF Llama layout). x [B, Q, H, D], pos [B, Q]."""
+    ang = pos[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, Q, D/2]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def _mm(x, w):
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# -- parameters ------------------------------------------------------------------------------------------------
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The params pytree as shapes (see the module docstring)."""
+    L, H, D, F = cfg.n_layers, cfg.hidden, cfg.head_dim, cfg.ffn
+    Hq, Hkv, l = cfg.n_heads, cfg.n_kv_heads, cfg.cmp_len
+    layers = dict(attn_norm=(L, H), wq=(L, H, Hq * D), wk=(L, H, Hkv * D), wv=(L, H, Hkv * D),
+                  wo=(L, Hq * D, H), wg=(L, H, Hq * 3), mlp_norm=(L, H), w_gate=(L, H, F), w_up=(L, H, F),
+                  w_down=(L, F, H))
+    if cfg.compression == "mlp":
+        layers.update(cmp_wk=(L, Hkv, l, D, D), cmp_wv=(L, Hkv, l, D, D), cmp_pek=(L, Hkv, l, D),
+                      cmp_pev=(L, Hkv, l, D))
+    out = dict(embed=(cfg.vocab_size, H), norm=(H,), layers=layers)
+    if not cfg.tie_embeddings:
+        out["lm_head"] = (H, cfg.vocab_size)
+    return out
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random parameters: N(0, 1/fan_in) matmuls, unit norms, N(0, 1) embeddings; mlp compression starts as
+    mean pooling plus noise."""
+    shapes = param_shapes(cfg)
+    flat, tree = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, shp), k in zip(flat, keys):
+        name = path[-1].key
+        if name.endswith("norm"):
+            a = jnp.ones(shp, dtype)
+        elif name == "embed":
+            a = jax.random.normal(k, shp, dtype)
+        elif name in ("cmp_wk", "cmp_wv"):
+            eye = jnp.eye(shp[-1], dtype=dtype) / shp[2]
+            a = (eye + 0.02 * jax.random.normal(k, shp, dtype) / math.sqrt(shp[-1])).astype(dtype)
+        elif name in ("cmp_pek", "cmp_pev"):
+            a = 0.02 * jax.random.normal(k, shp, dtype)
+        else:
+            a = jax.random.normal(k, shp, dtype) / math.sqrt(shp[-2])
+        leaves.append(a)
+    return jax.tree.unflatten(tree, leaves)
+
+
+class NSATransformer(nnx.Module):
+    """Flax NNX owner of the target's parameters. Use the pure functions of this module on `params()`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.weights = nnx.data(jax.tree.map(nnx.Param, init_params(cfg, rngs.params(), dtype)))
+
+    def params(self) -> dict:
+        return nnx.state(self, nnx.Param).to_pure_dict()["weights"]
+
+
+# -- the layer -------------------------------------------------------------------------------------------------
+class Ctx(NamedTuple):
+    """Static and per-call inputs shared by every layer of one forward."""
+    cfg: ModelConfig
+    pos: jax.Array  # [B, Q] absolute positions of the queries
+    attn: AttnFn
+    inv_freq: np.ndarray
+
+
+def _cmp_params(lp, cfg):
+    if cfg.compression == "mean":
+        return (None, None), (None, None)
+    return (lp["cmp_wk"], lp["cmp_pek"]), (lp["cmp_wv"], lp["cmp_pev"])
+
+
+def _qkv(lp, ctx: Ctx, x):
+    cfg = ctx.cfg
+    B, Q, _ = x.shape
+    h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+    q = _mm(h, lp["wq"]).reshape(B, Q, cfg.n_heads, cfg.head_dim)
+    k = _mm(h, lp["wk"]).reshape(B, Q, cfg.n_kv_heads, cfg.head_dim)
+    v = _mm(h, lp["wv"]).reshape(B, Q, cfg.n_kv_heads, cfg.head_dim)
+    g = jax.nn.sigmoid(_mm(h, lp["wg"]).astype(jnp.float32)).reshape(B, Q, cfg.n_heads, 3)
+    return apply_rope(q, ctx.pos, ctx.inv_freq), apply_rope(k, ctx.pos, ctx.inv_freq), v, g
+
+
+def _finish(lp, ctx: Ctx, x, o):
+    cfg = ctx.cfg
+    B, Q = x.shape[:2]
+    x = x + _mm(o.reshape(B, Q, -1).astype(x.dtype), lp["wo"])
+    h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
+    return x + _mm(jax.nn.silu(_mm(h, lp["w_gate"])) * _mm(h, lp["w_up"]), lp["w_down"])
+
+
+def _chunked_attn(ctx: Ctx, q_chunk: int, q, gates, k, v, kc, vc, kv_len, sel):
+    """The attention call, mapped over chunks of `q_chunk` queries when Q is larger (prefill)."""
+    cfg = ctx.cfg
+    Q = q.shape[1]
+    if Q <= q_chunk:
+        return ctx.attn(q, ctx.pos, gates, k, v, kc, vc, kv_len, cfg, sel=sel)
+    if Q % q_chunk:
+        raise ValueError(f"prefill chunk Q={Q} is invalid; accepted: a multiple of q_chunk={q_chunk}")
+    n = Q // q_chunk
+
+    def split(a):
+        return jnp.moveaxis(a.reshape((a.shape[0], n, q_chunk) + a.shape[2:]), 1, 0)
+
+    def one(args):
+        qq, pp, gg, ss = args
+        return ctx.attn(qq, pp, gg, k, v, kc, vc, kv_len, cfg, sel=ss)
+
+    sel_in = None if sel is None else split(sel)
+    o, s = jax.lax.map(one, (split(q), split(ctx.pos), split(gates), sel_in))
+    merge = lambda a: jnp.moveaxis(a, 0, 1).reshape((a.shape[1], Q) + a.shape[3:])
+    return merge(o), merge(s)
+
+
+def _empty_sel(cfg: ModelConfig, B: int, Q: int):
+    return jnp.zeros((B, Q, cfg.n_kv_heads, cfg.n_slc), jnp.int32)
+
+
+def embed(params, tokens):
+    return params["embed"][tokens]
+
+
+def lm_logits(params, cfg: ModelConfig, x):
+    h = rms_norm(x, params["norm"], cfg.norm_eps)
+    w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return jnp.einsum("...i,io->...o", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def _features(cfg: ModelConfig, xs_in):
+    """EAGLE-3 features: the inputs of the tapped layers, concatenated: [L, B, Q, H] -> [B, Q, 3H]."""
+    return jnp.concatenate([xs_in[i] for i in cfg.features], -1)
+
+
+def validate_tokens(cfg: ModelConfig, tokens) -> None:
+    """Host-side check of token ids (call before jitted work)."""
+    t = np.asarray(tokens)
+    if t.size == 0:
+        raise ValueError("prompt is empty; accepted: at least one token id")
+    if t.min() < 0 or t.max() >= cfg.vocab_size:
+        bad = int(t.min()) if t.min() < 0 else int(t.max())
+        raise ValueError(f"token id {bad} is out of vocabulary; accepted: ids in [0, {cfg.vocab_size})")
+
+
+# -- commit mode: prefill chunks and decode --------------------------------------------------------------------
+@partial(jax.jit, static_argnames=("cfg", "schedule", "unroll", "attn", "q_chunk"), donate_argnames=("cache",))
+def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, *, schedule=None, unroll=True,
+            attn: AttnFn = nsa.nsa_attention, q_chunk: int = 256):
+    """Append `tokens` [B, Q] at `cache.length` and run the model on them.
+
+    `n_valid` [B] (default Q) marks a padded tail: only the first n_valid tokens are committed. The caller must
+    ensure length + Q <= capacity (see `prefill`). Returns (logits [B, Q, V] f32, feats [B, Q, 3H], cache)."""
+    B, Q = tokens.shape
+    flags = sched.parse(schedule, cfg.n_layers)
+    n_valid = jnp.full((B,), Q, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+    start = cache.length
+    pos = start[:, None] + jnp.arange(Q, dtype=jnp.int32)[None, :]
+    ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    kv_len = start + n_valid
+    bidx = jnp.arange(B)[:, None]
+
+    def layer(carry, xs, refresh):
+        x, K, V, KC, VC, sel = carry
+        lp, li = xs
+        q, k, v, g = _qkv(lp, ctx, x)
+        K = K.at[li, bidx, pos].set(k.astype(K.dtype), mode="drop")
+        V = V.at[li, bidx, pos].set(v.astype(V.dtype), mode="drop")
+        (wk, pek), (wv, pev) = _cmp_params(lp, cfg)
+        slot, ck = kvc.completed_blocks(K[li], start, n_valid, Q, cfg, wk, pek)
+        _, cv = kvc.completed_blocks(V[li], start, n_valid, Q, cfg, wv, pev)
+        KC = KC.at[li, bidx, slot].set(ck.astype(KC.dtype), mode="drop")
+        VC = VC.at[li, bidx, slot].set(cv.astype(VC.dtype), mode="drop")
+        o, sel = _chunked_attn(ctx, q_chunk, q, g, K[li], V[li], KC[li], VC[li], kv_len, None if refresh else sel)
+        return (_finish(lp, ctx, x, o), K, V, KC, VC, sel), x
+
+    x0 = embed(params, tokens)
+    carry = (x0, cache.k, cache.v, cache.kc, cache.vc, _empty_sel(cfg, B, Q))
+    li = jnp.arange(cfg.n_layers)
+    (x, K, V, KC, VC, _), xs_in = sched.run_layers(layer, carry, (params["layers"], li), flags, unroll=unroll)
+    new_cache = kvc.KVCache(K, V, KC, VC, kv_len)
+    return lm_logits(params, cfg, x), _features(cfg, xs_in), new_cache
+
+
+def prefill(params, cfg: ModelConfig, prompt, cache: kvc.KVCache, *, chunk: int = 512, schedule=None,
+            attn: AttnFn = nsa.nsa_attention, progress: bool = False):
+    """Chunked prefill of `prompt` [B, P] into `cache` (all rows the same length). Runs rolled layer scans (the
+    weight copy is amortised over the chunk). Returns (logits of the last prompt token [B, V], its features
+    [B, 3H], cache)."""
+    prompt = np.asarray(prompt)
+    if prompt.ndim == 1:
+        prompt = prompt[None]
+    validate_tokens(cfg, prompt)
+    B, P = prompt.shape
+    start = int(np.asarray(cache.length).max())
+    n_chunks = -(-P // chunk)
+    if start + n_chunks * chunk > cache.capacity:
+        raise ValueError(f"prompt of {P} tokens (padded to {n_chunks * chunk}) at length {start} does not fit; "
+                         f"accepted: at most {cache.capacity - start - (-P % chunk)} tokens for this cache "
+                         f"(capacity {cache.capacity})")
+    q_chunk = math.gcd(chunk, 256)
+    logits = feats = None
+    it = range(n_chunks)
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="prefill", unit="chunk")
+    for i in it:
+        part = prompt[:, i * chunk:(i + 1) * chunk]
+        n = part.shape[1]
+        padded = np.pad(part, ((0, 0), (0, chunk - n)))
+        lg, ft, cache = forward(params, cfg, jnp.asarray(padded, jnp.int32), cache,
+                                jnp.full((B,), n, jnp.int32), schedule=schedule, unroll=False, attn=attn,
+                                q_chunk=q_chunk)
+        logits, feats = lg[:, n - 1], ft[:, n - 1]
+    return logits, feats, cache
+
+
+# -- verify mode -----------------------------------------------------------------------------------------------
+class TreeInputs(NamedTuple):
+    """A draft tree to verify: node 0 is the root (position T); parents precede children."""
+    tokens: jax.Array  # [B, N]
+    depth: jax.Array  # [B, N]
+    mask: jax.Array  # [B, N, N] ancestor-or-self
+
+
+def _path_block_plan(cfg: ModelConfig, T, tree: TreeInputs):
+    """Where the keys of each node's per-path compressed block come from (DESIGN.md, "How the per-path
+    compressed block works out"). Returns (completes [B, N], cidx [B, N], from_cache [B, N, l],
+    cache_pos [B, N, l], node_src [B, N, l])."""
+    l, d = cfg.cmp_len, cfg.cmp_stride
+    B, N = tree.tokens.shape
+    p = T[:, None] + tree.depth  # completion position if node a completes a block
+    start = p - l + 1
+    completes = (start >= 0) & (start % d == 0)
+    cidx = jnp.where(completes, start // d, 0)
+    s = start[..., None] + jnp.arange(l)  # [B, N, l] positions of the block's keys
+    from_cache = s < T[:, None, None]
+    # anc[b, a, k] = the ancestor of node a at depth k
+    at_depth = tree.mask[:, :, :, None] & (tree.depth[:, None, :, None] == jnp.arange(N)[None, None, None, :])
+    anc = jnp.argmax(at_depth, axis=2)  # [B, N(a), N(depth)]
+    k_rel = jnp.clip(s - T[:, None, None], 0, N - 1)
+    node_src = jnp.take_along_axis(anc, k_rel, axis=2)
+    return completes, cidx, from_cache, jnp.clip(s, 0, None), node_src
+
+
+@partial(jax.jit, static_argnames=("cfg", "schedule", "unroll", "attn"))
+def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache, *, schedule=None,
+                 unroll=True, attn: AttnFn = nsa.nsa_attention):
+    """Verify all tree nodes in one pass (the cache is read only). Every node's logits equal what AR decoding
+    computes after appending its root-to-node path (mode A, refresh every layer).
+
+    Returns (logits [B, N, V] f32, feats [B, N, 3H], node_k [L, B, N, Hkv, D], node_v [L, B, N, Hkv, D])."""
+    B, N = tree.tokens.shape
+    flags = sched.parse(schedule, cfg.n_layers)
+    T = cache.length
+    pos = T[:, None] + tree.depth
+    ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    completes, cidx, from_cache, cache_pos, node_src = _path_block_plan(cfg, T, tree)
+    cmask = tree.mask & completes[:, None, :]
+    gb = jax.vmap(lambda a, i: a[i])  # batched gather along axis 0 of [B, ...]
+
+    def path_blocks(Kl, k, cp):
+        blocks = jnp.where(from_cache[..., None, None], gb(Kl, cache_pos), gb(k, node_src))  # [B, N, l, Hkv, D]
+        return nsa.compress(blocks, cfg, *cp)
+
+    def layer(carry, xs, refresh):
+        x, sel = carry
+        lp, li = xs
+        q, k, v, g = _qkv(lp, ctx, x)
+        Kl, Vl = cache.k[li], cache.v[li]
+        cpk, cpv = _cmp_params(lp, cfg)
+        extra = nsa.Extra(k, v, pos, tree.mask, path_blocks(Kl, k, cpk), path_blocks(Vl, v, cpv), cidx, cmask)
+        o, sel = attn(q, pos, g, Kl, Vl, cache.kc[li], cache.vc[li], T, cfg, extra=extra,
+                      sel=None if refresh else sel)
+        return (_finish(lp, ctx, x, o), sel), (x, k, v)
+
+    x0 = embed(params, tree.tokens)
+    li = jnp.arange(cfg.n_layers)
+    (x, _), (xs_in, node_k, node_v) = sched.run_layers(layer, (x0, _empty_sel(cfg, B, N)),
+                                                       (params["layers"], li), flags, unroll=unroll)
+    return lm_logits(params, cfg, x), _features(cfg, xs_in), node_k, node_v
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def commit_tree(params, cfg: ModelConfig, cache: kvc.KVCache, node_k, node_v, path, n_acc):
+    """Write the accepted path's K/V (`path` [B, A] node ids, root first, -1 padded; `n_acc` [B] >= 1 nodes)
+    into the cache at `length` and append the compressed blocks that complete."""
+    B, A = path.shape
+    start = cache.length
+    pos = start[:, None] + jnp.arange(A)
+    bidx = jnp.arange(B)[:, None]
+    idx = jnp.maximum(path, 0)
+    pk = jax.vmap(lambda a, i: a[:, i], in_axes=(1, 0), out_axes=1)(node_k, idx)  # [L, B, A, Hkv, D]
+    pv = jax.vmap(lambda a, i: a[:, i], in_axes=(1, 0), out_axes=1)(node_v, idx)
+    live = jnp.arange(A)[None, :] < n_acc[:, None]
+    pos_w = jnp.where(live, pos, cache.capacity)  # dead rows dropped
+    K = cache.k.at[:, bidx, pos_w].set(pk.astype(cache.k.dtype), mode="drop")
+    V = cache.v.at[:, bidx, pos_w].set(pv.astype(cache.v.dtype), mode="drop")
+
+    def cmp_layer(Kl, Vl, lp):
+        (wk, pek), (wv, pev) = _cmp_params(lp, cfg)
+        slot, ck = kvc.completed_blocks(Kl, start, n_acc, A, cfg, wk, pek)
+        _, cv = kvc.completed_blocks(Vl, start, n_acc, A, cfg, wv, pev)
+        return slot, ck, cv
+
+    lps = params["layers"] if cfg.compression == "mlp" else None
+    slot, ck, cv = jax.vmap(cmp_layer, in_axes=(0, 0, 0 if lps is not None else None))(K, V, lps)
+    lidx = jnp.arange(cfg.n_layers)[:, None, None]
+    KC = cache.kc.at[lidx, bidx[None], slot].set(ck.astype(cache.kc.dtype), mode="drop")
+    VC = cache.vc.at[lidx, bidx[None], slot].set(cv.astype(cache.vc.dtype), mode="drop")
+    return kvc.KVCache(K, V, KC, VC, start + n_acc)
+
+
+# -- training --------------------------------------------------------------------------------------------------
+def forward_train(params, cfg: ModelConfig, tokens, *, schedule=None, remat: bool = True, q_chunk: int = 512,
+                  attn: AttnFn = nsa.nsa_attention):
+    """A whole sequence [B, S] from an empty context (differentiable; rolled scans, optional per-layer remat).
+    Returns (logits [B, S, V] f32, feats [B, S, 3H])."""
+    B, S = tokens.shape
+    flags = sched.parse(schedule, cfg.n_layers)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
+    ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    Sp = kvc.cache_capacity(cfg, S)
+    kv_len = jnp.full((B,), S, jnp.int32)
+    qc = q_chunk if S % q_chunk == 0 else S
+
+    def layer(carry, lp, refresh):
+        x, sel = carry
+        q, k, v, g = _qkv(lp, ctx, x)
+        pad = ((0, 0), (0, Sp - S), (0, 0), (0, 0))
+        K, V = jnp.pad(k, pad), jnp.pad(v, pad)
+        (wk, pek), (wv, pev) = _cmp_params(lp, cfg)
+        KC, VC = nsa.compress_all(K, cfg, wk, pek), nsa.compress_all(V, cfg, wv, pev)
+        o, sel = _chunked_attn(ctx, qc, q, g, K, V, KC, VC, kv_len, None if refresh else sel)
+        return (_finish(lp, ctx, x, o), sel), x
+
+    if remat:
+        layer = jax.checkpoint(layer, static_argnums=(2,))
+    (x, _), xs_in = sched.run_layers(layer, (embed(params, tokens), _empty_sel(cfg, B, S)), params["layers"],
+                                     flags, unroll=False)
+    return lm_logits(params, cfg, x), _features(cfg, xs_in)

@@ -1,0 +1,94 @@
+"""Refresh/reuse layer schedules and their compilation to static `lax.scan` segments (DESIGN.md, mechanism 2).
+
+A schedule is a tuple of L flags, True for a refresh layer (R: computes routing) and False for a reuse layer (U:
+inherits the selection of the last R layer). It is split into *runs* (one R followed by its U layers); runs of equal
+length that follow each other form a *segment*, executed as an outer `lax.scan` over the runs whose body is the
+refresh layer followed by an inner `lax.scan` over the reuse layers. A periodic schedule with P | L is one segment.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+
+
+class Segment(NamedTuple):
+    start: int  # first layer
+    run: int  # layers per run (1 refresh + run-1 reuse)
+    count: int  # runs in this segment
+
+
+def periodic(n_layers: int, period: int, offset: int = 0) -> tuple[bool, ...]:
+    """Refresh at layer 0 and at every layer i >= offset with (i - offset) % period == 0."""
+    if not (isinstance(period, int) and 1 <= period <= n_layers):
+        raise ValueError(f"refresh period P={period!r} is invalid; accepted: an integer in [1, {n_layers}]")
+    if not (isinstance(offset, int) and 0 <= offset < n_layers):
+        raise ValueError(f"schedule offset={offset!r} is invalid; accepted: an integer in [0, {n_layers})")
+    return tuple(i == 0 or (i >= offset and (i - offset) % period == 0) for i in range(n_layers))
+
+
+def parse(schedule, n_layers: int) -> tuple[bool, ...]:
+    """Normalise a schedule: None (refresh every layer), an int period P, a string like "RUUURUUU", or a tuple
+    of bools / "R"/"U" characters. Layer 1 must be R and the length must equal L."""
+    if schedule is None:
+        return (True,) * n_layers
+    if isinstance(schedule, int) and not isinstance(schedule, bool):
+        return periodic(n_layers, schedule)
+    flags = []
+    for s in schedule:
+        if isinstance(s, bool):
+            flags.append(s)
+        elif s in ("R", "U"):
+            flags.append(s == "R")
+        else:
+            raise ValueError(f"schedule entry {s!r} is invalid; accepted: 'R', 'U' or a bool")
+    if len(flags) != n_layers:
+        raise ValueError(f"schedule length {len(flags)} is invalid; accepted: exactly n_layers={n_layers}")
+    if not flags[0]:
+        raise ValueError("schedule[0]='U' is invalid; accepted: the first layer must be a refresh layer 'R'")
+    return tuple(flags)
+
+
+def to_string(flags: tuple[bool, ...]) -> str:
+    return "".join("R" if f else "U" for f in flags)
+
+
+def segments(flags: tuple[bool, ...]) -> tuple[Segment, ...]:
+    """Static segmentation of a schedule into runs of equal length."""
+    starts = [i for i, f in enumerate(flags) if f] + [len(flags)]
+    runs = [(starts[i], starts[i + 1] - starts[i]) for i in range(len(starts) - 1)]
+    segs: list[Segment] = []
+    for s, r in runs:
+        if segs and segs[-1].run == r:
+            segs[-1] = segs[-1]._replace(count=segs[-1].count + 1)
+        else:
+            segs.append(Segment(s, r, 1))
+    return tuple(segs)
+
+
+def run_layers(layer_fn: Callable, carry, layer_xs, flags: tuple[bool, ...], *, unroll: bool):
+    """Run `layer_fn(carry, xs, refresh: bool) -> (carry, ys)` over stacked per-layer inputs `layer_xs` (a pytree
+    with a leading L axis) following the schedule `flags`. Returns (carry, ys stacked on a leading L axis).
+
+    Each segment is an outer scan over its runs; inside, the refresh layer is followed by an inner scan over the
+    reuse layers. `unroll=True` unrolls both so that layer slices are static (weight-bound paths)."""
+    ys_parts = []
+    for seg in segments(flags):
+        xs = jax.tree.map(
+            lambda a: a[seg.start: seg.start + seg.run * seg.count].reshape((seg.count, seg.run) + a.shape[1:]),
+            layer_xs)
+
+        def run_body(c, xs_run, seg=seg):
+            c, y0 = layer_fn(c, jax.tree.map(lambda a: a[0], xs_run), True)
+            if seg.run == 1:
+                return c, jax.tree.map(lambda a: a[None], y0)
+            c, ys = jax.lax.scan(lambda cc, xx: layer_fn(cc, xx, False), c,
+                                 jax.tree.map(lambda a: a[1:], xs_run), unroll=unroll)
+            return c, jax.tree.map(lambda a, b: jax.numpy.concatenate([a[None], b]), y0, ys)
+
+        carry, ys = jax.lax.scan(run_body, carry, xs, unroll=unroll)
+        ys_parts.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), ys))
+    if len(ys_parts) == 1:
+        return carry, ys_parts[0]
+    return carry, jax.tree.map(lambda *a: jax.numpy.concatenate(a), *ys_parts)
