@@ -1,0 +1,53 @@
+"""Pallas-Triton kernels for sparse speculative verification (DESIGN.md, "Kernels"; issue #3).
+
+`nsa_attention_kernel` is the kernel path of `ssv_jax.nsa.nsa_attention`: same signature and result (o, sel).
+Without `sel` it runs the refresh layer (compressed attention with probabilities, reference routing, grouped
+selected + window); with `sel` it runs the one-launch reuse kernel. `mode`: "A" exact merge, "B" shared index
+(approximate: attends, and returns, the first query's blocks for each group of `group_size` queries), "naive"
+per-query selected branch (the naive SD+NSA baseline).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig
+
+from ._common import gate, poison_outputs
+from .compressed import compressed_attention
+from .grouped_verify import effective_selection, grouped_verify
+from .naive_verify import naive_verify
+from .overlap import merged_sizes, overlap_gamma, synthetic_selection
+from .refresh_layer import refresh_layer, route_from_kernel, selected_and_window
+from .reuse_layer import reuse_layer
+
+MODES = ("A", "B", "naive")
+
+
+def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.Extra | None = None,
+                         sel: jax.Array | None = None, *, mode: str = "A", group_size: int = 4,
+                         interpret: bool = False):
+    """Kernel path of `nsa.nsa_attention`: returns (o [B, Q, Hq, D] in q's dtype, sel [B, Q, Hkv, n]).
+
+    Groups are `group_size` consecutive queries (must divide Q; ignored in mode "naive")."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is invalid; accepted: {MODES}")
+    if mode == "naive":
+        if sel is None:
+            o_cmp, sel = route_from_kernel(q, q_pos, kc, vc, kv_len, k.shape[1], cfg, extra, interpret=interpret)
+        else:
+            o_cmp = compressed_attention(q, q_pos, kc, vc, kv_len, cfg, extra, interpret=interpret)[0]
+        o_slc, o_win = selected_and_window(q, q_pos, k, v, kv_len, sel, cfg, extra, mode="naive",
+                                           interpret=interpret)
+        return gate(gates, o_cmp, o_slc, o_win, q.dtype), sel
+    if sel is None:
+        return refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg, extra, mode=mode, group_size=group_size,
+                             interpret=interpret)
+    return reuse_layer(q, q_pos, gates, k, v, kc, vc, kv_len, sel, cfg, extra, mode=mode, group_size=group_size,
+                       interpret=interpret)
+
+
+__all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
+           "compressed_attention", "overlap_gamma", "merged_sizes", "synthetic_selection", "effective_selection",
+           "poison_outputs", "MODES"]

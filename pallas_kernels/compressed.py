@@ -1,0 +1,141 @@
+"""Compressed-attention kernel of the refresh layer (issue #3 item 3, launch 1).
+
+It attends a tile of queries (all G heads of a KV head as rows) to the visible compressed blocks, split over the
+compressed blocks across programs, and also emits each chunk's probabilities relative to the chunk's running max.
+The XLA glue turns those into the exact probabilities `p` of `nsa.compressed_branch` once the split states are
+LSE-combined; `nsa.block_importance` and `nsa.route` then give the selection, so routing (including the tie rule)
+is the reference's own code. Same signature and results as `nsa.compressed_branch`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig
+
+from ._common import (NEG, check_cfg, combine, dividing_chunk, init_state, next_pow2, pad_axis, pallas,
+                      query_rows, rows_of, scores, split_count, update)
+
+
+def _kernel(q_ref, t_ref, meta_ref, kc_ref, vc_ref, *rest, cb: int, per: int, nch: int, stride: int,
+            cmp_len: int, scale: float, extra: bool):
+    if extra:
+        eck_ref, ecv_ref, xc_ref, acc_ref, m_ref, l_ref, u_ref, mc_ref, xu_ref, xm_ref = rest
+    else:
+        acc_ref, m_ref, l_ref, u_ref, mc_ref = rest
+    split = pl.program_id(2)
+    q = q_ref[...]
+    t = t_ref[...][:, None]
+    kvlen, nvis = meta_ref[0], meta_ref[1]  # nvis: chunks holding a block visible to some row of the tile
+    arc = jnp.arange(cb, dtype=jnp.int32)[None, :]
+    st = init_state(*q.shape)
+    if extra:  # per-path compressed blocks: split 0 only
+        valid = (xc_ref[...] != 0) & (split == 0)
+        st, p = update(st, scores(q, eck_ref[...], scale), valid, ecv_ref[...])
+        xu_ref[...] = p
+        xm_ref[...] = st[1]
+
+    lo = split * per
+    hi = jnp.minimum(lo + per, nch)
+
+    def body(i, st):
+        c0 = pl.multiple_of(i * cb, cb)
+        end = (c0 + arc) * stride + cmp_len - 1
+        valid = (end <= t) & (end < kvlen)
+        st, p = update(st, scores(q, kc_ref[pl.ds(c0, cb), :], scale), valid, vc_ref[pl.ds(c0, cb), :])
+        u_ref[:, pl.ds(c0, cb)] = p
+        mc_ref[i, :] = st[1]
+        return st
+
+    def zero(i, carry):  # chunks past the last visible block: probability 0
+        u_ref[:, pl.ds(pl.multiple_of(i * cb, cb), cb)] = jnp.zeros((q.shape[0], cb), jnp.float32)
+        mc_ref[i, :] = jnp.full((q.shape[0],), NEG, jnp.float32)
+        return carry
+
+    mid = jnp.maximum(jnp.minimum(hi, nvis), lo)
+    acc, m, l = jax.lax.fori_loop(lo, mid, body, st)
+    jax.lax.fori_loop(mid, hi, zero, 0)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _query_tile(n_queries: int, g: int, max_rows: int = 64) -> int:
+    c = max(1, min(n_queries, max_rows // g))
+    while n_queries % c:
+        c -= 1
+    return c
+
+
+def compressed_attention(q, q_pos, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
+                         nsplit: int | None = None, interpret: bool = False, num_warps: int = 4,
+                         num_stages: int = 2):
+    """Compressed branch with probabilities, as `nsa.compressed_branch`: returns (o_cmp [B, Q, Hq, D] fp32,
+    p [B, Q, Hkv, G, Nc], px [B, Q, Hkv, G, Ec] or None)."""
+    B, Q, Hq, D = q.shape
+    nc, H = kc.shape[1], kc.shape[2]
+    G = Hq // H
+    check_cfg(cfg, D)
+    if kc.shape != vc.shape or kc.shape[0] != B or kc.shape[3] != D:
+        raise ValueError(f"kc {kc.shape} / vc {vc.shape} must both be [B={B}, Nc, Hkv, D={D}]")
+    cb = dividing_chunk(nc, "number of compressed blocks Nc")
+    nch = nc // cb
+    ct = _query_tile(Q, G)
+    qt, mp = Q // ct, next_pow2(ct * G)
+    if nsplit is None:
+        nsplit = split_count(B * H * qt, nch)
+    per = -(-nch // nsplit)
+    nsplit = -(-nch // per)
+    has_x = extra is not None and extra.ck.shape[1] > 0
+
+    t = query_rows(q_pos.astype(jnp.int32), ct, G, mp, fill=-1)  # [B, QT, Mp]
+    kl = kv_len.astype(jnp.int32)[:, None]
+    nvis = nsa.num_complete_blocks(jnp.minimum(jnp.max(q_pos.reshape(B, qt, ct), -1) + 1, kl), cfg)
+    meta = jnp.stack([jnp.broadcast_to(kl, (B, qt)), -(-nvis // cb)], -1).astype(jnp.int32)  # [B, QT, 2]
+
+    row = pl.BlockSpec((None, None, None, mp, D), lambda i, j, s: (i // H, i % H, j, 0, 0))
+    cache = lambda n: pl.BlockSpec((None, n, None, D), lambda i, j, s: (i // H, 0, i % H, 0))  # noqa: E731
+    args = [rows_of(q, H, ct, mp), t, meta, kc, vc]
+    specs = [row, pl.BlockSpec((None, None, mp), lambda i, j, s: (i // H, j, 0)),
+             pl.BlockSpec((None, None, 2), lambda i, j, s: (i // H, j, 0)), cache(nc), cache(nc)]
+    hd = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
+                                     lambda i, j, s: (i // H, i % H, j) + (0,) * len(shape))
+    hds = lambda *shape: pl.BlockSpec((None, None, None, None) + shape,  # noqa: E731
+                                      lambda i, j, s: (i // H, i % H, j, s) + (0,) * len(shape))
+    f32 = lambda *shape: jax.ShapeDtypeStruct((B, H, qt) + shape, jnp.float32)  # noqa: E731
+    out_shape = [f32(nsplit, mp, D), f32(nsplit, mp), f32(nsplit, mp), f32(mp, nc), f32(nch, mp)]
+    out_specs = [hds(mp, D), hds(mp), hds(mp), hd(mp, nc), hd(nch, mp)]
+    if has_x:
+        ecp = next_pow2(extra.ck.shape[1])
+        xcm = query_rows(pad_axis(extra.cmask.astype(bool), 2, ecp, fill=False), ct, G, mp, fill=False)
+        args += [pad_axis(extra.ck, 1, ecp), pad_axis(extra.cv, 1, ecp), xcm.astype(jnp.int32)]
+        specs += [cache(ecp), cache(ecp), pl.BlockSpec((None, None, mp, ecp), lambda i, j, s: (i // H, j, 0, 0))]
+        out_shape += [f32(nsplit, mp, ecp), f32(nsplit, mp)]
+        out_specs += [hds(mp, ecp), hds(mp)]
+    kern = functools.partial(_kernel, cb=cb, per=per, nch=nch, stride=cfg.cmp_stride, cmp_len=cfg.cmp_len,
+                             scale=D ** -0.5, extra=has_x)
+    outs = pallas(kern, grid=(B * H, qt, nsplit), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+                  args=args, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                  name="compressed_attention")
+    acc, m, l, u, mc = outs[:5]
+    o, mt, lt = combine(acc, m, l, axis=3)  # [B, H, QT, Mp, D], [B, H, QT, Mp]
+    lse = jnp.where(lt > 0, mt + jnp.log(jnp.where(lt > 0, lt, 1.0)), jnp.inf)[..., None]  # p = 0 where no key
+
+    def probs(u, m):  # rows [B, H, QT, Mp, K] -> [B, Q, H, G, K]
+        p = u * jnp.exp(m - lse)
+        K = p.shape[-1]
+        p = p[:, :, :, : ct * G].reshape(B, H, qt, ct, G, K)
+        return jnp.moveaxis(p, 1, 3).reshape(B, Q, H, G, K)
+
+    p = probs(u, jnp.repeat(jnp.swapaxes(mc, -1, -2), cb, axis=-1))
+    px = None
+    if extra is not None:
+        px = probs(outs[5][:, :, :, 0], outs[6][:, :, :, 0][..., None])[..., : extra.ck.shape[1]] if has_x \
+            else jnp.zeros((B, Q, H, G, 0), jnp.float32)
+    o = jnp.moveaxis(o[:, :, :, : ct * G].reshape(B, H, qt, ct, G, D), 1, 3).reshape(B, Q, Hq, D)
+    return o, p, px

@@ -1,0 +1,249 @@
+"""Grouped verification kernel (DESIGN.md, "Kernels"; issue #3 items 2 and 4).
+
+One program serves a group of C consecutive flattened queries for one KV head: its M = C*G rows (GQA heads x
+queries) are padded to a power of two >= 16, so every selected KV block is loaded once for the whole group.
+
+* mode "A" (exact merge): the program walks the union of the group's selected blocks (sorted, unique) and masks
+  each row to its own query's blocks (`groups.GroupPlan.member`);
+* mode "B" (shared index): every query of the group uses the first query's blocks (an approximation).
+
+The same kernel body, with static branch flags, serves three callers:
+* `grouped_verify`: the selected branch (optionally the window branch too), split over the merged blocks across
+  programs when the grid is too small for the SMs, with a flash-decoding LSE combine in XLA;
+* the refresh layer's second launch: selected + window, then the gates (`refresh_layer.py`);
+* the reuse layer: compressed + selected + window in one launch with three online-softmax states, writing only
+  the gated output (`reuse_layer.py`).
+
+In-tree keys (`nsa.Extra`) enter as one extra masked key segment per branch. Reference: `ssv_jax.nsa`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig
+
+from . import groups
+from ._common import (check_cache, check_cfg, check_group_size, check_sel, combine, dividing_chunk, finish,
+                      init_state, next_pow2, pallas, rows_of, scores, split_count, unrows, update)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    mp: int
+    d: int
+    ls: int
+    window: int
+    cmp_len: int
+    cmp_stride: int
+    cb: int
+    nsplit: int
+    slc: bool
+    win: bool
+    cmp: bool
+    extra: bool
+    xcmp: bool
+    gated: bool
+
+    @property
+    def scale(self) -> float:
+        return self.d ** -0.5
+
+
+def _kernel(*refs, sp: _Spec):
+    it = iter(refs)
+    q_ref, t_ref, meta_ref, k_ref, v_ref = (next(it) for _ in range(5))
+    bl_ref, mem_ref = (next(it), next(it)) if sp.slc else (None, None)
+    if sp.extra:
+        ek_ref, ev_ref, epos_ref, xm_ref = (next(it) for _ in range(4))
+        xs_ref = next(it) if sp.slc else None
+    if sp.cmp:
+        kc_ref, vc_ref = next(it), next(it)
+        if sp.xcmp:
+            eck_ref, ecv_ref, xc_ref = (next(it) for _ in range(3))
+    g_ref = next(it) if sp.gated else None
+    outs = list(it)
+
+    split = pl.program_id(2)
+    first = split == 0
+    q = q_ref[...]
+    t = t_ref[...][:, None]  # [Mp, 1]
+    kvlen = meta_ref[groups.M_KVLEN]
+    ar = jnp.arange(sp.ls, dtype=jnp.int32)[None, :]
+    states = []
+
+    def span(count):  # this program's share [lo, hi) of `count` work items
+        per = (count + sp.nsplit - 1) // sp.nsplit
+        lo = split * per
+        return lo, jnp.minimum(count, lo + per)
+
+    if sp.cmp:  # compressed branch (reuse layer: never split)
+        cb = sp.cb
+        arc = jnp.arange(cb, dtype=jnp.int32)[None, :]
+
+        def cmp_body(i, st):
+            c0 = pl.multiple_of(i * cb, cb)
+            end = (c0 + arc) * sp.cmp_stride + sp.cmp_len - 1
+            valid = (end <= t) & (end < kvlen)
+            return update(st, scores(q, kc_ref[pl.ds(c0, cb), :], sp.scale), valid, vc_ref[pl.ds(c0, cb), :])[0]
+
+        st = jax.lax.fori_loop(0, meta_ref[groups.M_CMPCHUNKS], cmp_body, init_state(sp.mp, sp.d))
+        if sp.xcmp:
+            st = update(st, scores(q, eck_ref[...], sp.scale), xc_ref[...] != 0, ecv_ref[...])[0]
+        states.append(st)
+
+    if sp.slc:  # selected branch over the group's merged block list
+        def slc_body(i, st):
+            start = pl.multiple_of(bl_ref[i] * sp.ls, sp.ls)
+            pos = start + ar
+            valid = (mem_ref[i, :] != 0)[:, None] & (pos <= t) & (pos < kvlen)
+            s = scores(q, k_ref[pl.ds(start, sp.ls), :], sp.scale)
+            return update(st, s, valid, v_ref[pl.ds(start, sp.ls), :])[0]
+
+        lo, hi = span(meta_ref[groups.M_SELCNT])
+        st = jax.lax.fori_loop(lo, hi, slc_body, init_state(sp.mp, sp.d))
+        if sp.extra:
+            st = update(st, scores(q, ek_ref[...], sp.scale), (xs_ref[...] != 0) & first, ev_ref[...])[0]
+        states.append(st)
+
+    if sp.win:  # window branch over the group's window chunks
+        w0 = meta_ref[groups.M_WSTART]
+
+        def win_body(i, st):
+            start = pl.multiple_of((w0 + i) * sp.ls, sp.ls)
+            pos = start + ar
+            valid = (pos > t - sp.window) & (pos <= t) & (pos < kvlen)
+            s = scores(q, k_ref[pl.ds(start, sp.ls), :], sp.scale)
+            return update(st, s, valid, v_ref[pl.ds(start, sp.ls), :])[0]
+
+        lo, hi = span(meta_ref[groups.M_WCNT])
+        st = jax.lax.fori_loop(lo, hi, win_body, init_state(sp.mp, sp.d))
+        if sp.extra:
+            valid = (xm_ref[...] != 0) & (epos_ref[...][None, :] > t - sp.window) & first
+            st = update(st, scores(q, ek_ref[...], sp.scale), valid, ev_ref[...])[0]
+        states.append(st)
+
+    if sp.gated:
+        o = sum(g_ref[b, :][:, None] * finish(st) for b, st in enumerate(states))
+        outs[0][...] = o.astype(outs[0].dtype)
+    else:
+        acc_ref, m_ref, l_ref = outs
+        for b, (acc, m, l) in enumerate(states):
+            acc_ref[b, :, :] = acc
+            m_ref[b, :] = m
+            l_ref[b, :] = l
+
+
+def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
+               group_size: int, slc: bool = True, win: bool = False, kc=None, vc=None, gates=None,
+               nsplit: int | None = None, interpret: bool = False, num_warps: int = 4, num_stages: int = 2,
+               name: str = "grouped_verify"):
+    """Launches the grouped kernel for the chosen branches.
+
+    With `gates` [B, Q, Hq, 3] the launch is unsplit and returns the gated sum of its branches (compressed when
+    `kc`/`vc` are given, selected, window) in q's dtype. Without gates it returns the fp32 branch outputs
+    [B, Q, Hq, D] in the order (selected, window), combined over the splits.
+    `sel` [B, Q, Hkv, n] must already be the effective selection (mode B shared by the caller)."""
+    B, Q, Hq, D = q.shape
+    S, H = k.shape[1], k.shape[2]
+    G = Hq // H
+    check_cfg(cfg, D)
+    check_cache(k, v, kc, cfg)
+    c = check_group_size(group_size, Q, G)
+    check_sel(sel, S // cfg.slc_block, (B, Q, H, cfg.n_slc))
+    mp = next_pow2(c * G)
+    ng = Q // c
+    has_cmp = kc is not None
+    cb = dividing_chunk(kc.shape[1], "number of compressed blocks Nc") if has_cmp else 16
+    plan = groups.group_plan(sel, q_pos, kv_len, cfg, c, G, mp, n_cmp_chunk=cb if has_cmp else None)
+    has_x = extra is not None and extra.k.shape[1] > 0
+    has_xc = has_cmp and extra is not None and extra.ck.shape[1] > 0
+    gated = gates is not None
+    if gated or has_cmp:
+        nsplit = 1
+    elif nsplit is None:
+        nsplit = split_count(B * H * ng, c * cfg.n_slc)
+    sp = _Spec(mp=mp, d=D, ls=cfg.slc_block, window=cfg.window, cmp_len=cfg.cmp_len, cmp_stride=cfg.cmp_stride,
+               cb=cb, nsplit=int(nsplit), slc=slc, win=win, cmp=has_cmp, extra=has_x, xcmp=has_xc, gated=gated)
+
+    bh = lambda i: (i // H, i % H)  # noqa: E731
+    row = pl.BlockSpec((None, None, None, mp, D), lambda i, g, s: (*bh(i), g, 0, 0))
+    trow = pl.BlockSpec((None, None, mp), lambda i, g, s: (i // H, g, 0))
+    cache = lambda n: pl.BlockSpec((None, n, None, D), lambda i, g, s: (i // H, 0, i % H, 0))  # noqa: E731
+    per_group = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
+                                            lambda i, g, s: (*bh(i), g) + (0,) * len(shape))
+    per_bgroup = lambda *shape: pl.BlockSpec((None, None) + shape,  # noqa: E731
+                                             lambda i, g, s: (i // H, g) + (0,) * len(shape))
+    args = [rows_of(q, H, c, mp), plan.t, plan.meta, k, v]
+    specs = [row, trow, per_group(groups.META), cache(S), cache(S)]
+    if slc:
+        u = plan.blocks.shape[-1]
+        args += [plan.blocks, plan.member]
+        specs += [per_group(u), per_group(u, mp)]
+    if has_x:
+        ep = next_pow2(extra.k.shape[1])
+        xk, xv, xpos, xmask, xsel, xck, xcv, xcm = groups.extra_rows(
+            extra, sel, cfg, c, G, mp, ep, next_pow2(extra.ck.shape[1]))
+        args += [xk, xv, xpos, xmask]
+        specs += [cache(ep), cache(ep), pl.BlockSpec((None, ep), lambda i, g, s: (i // H, 0)), per_bgroup(mp, ep)]
+        if slc:
+            args.append(xsel)
+            specs.append(per_group(mp, ep))
+    if has_cmp:
+        args += [kc, vc]
+        specs += [cache(kc.shape[1]), cache(kc.shape[1])]
+        if has_xc:
+            args += [xck, xcv, xcm]
+            specs += [cache(xck.shape[1]), cache(xck.shape[1]), per_bgroup(mp, xck.shape[1])]
+    nb = int(has_cmp) + int(slc) + int(win)
+    if gated:
+        gsel = jnp.asarray([0] * has_cmp + [1] * slc + [2] * win)
+        g_rows = rows_of(gates.astype(jnp.float32)[..., gsel], H, c, mp)  # [B, H, NG, Mp, nb]
+        args.append(jnp.swapaxes(g_rows, -1, -2))
+        specs.append(per_group(nb, mp))
+        out_shape = [jax.ShapeDtypeStruct((B, H, ng, mp, D), q.dtype)]
+        out_specs = [row]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((B, H, ng, sp.nsplit, nb, mp, D), jnp.float32),
+                     jax.ShapeDtypeStruct((B, H, ng, sp.nsplit, nb, mp), jnp.float32),
+                     jax.ShapeDtypeStruct((B, H, ng, sp.nsplit, nb, mp), jnp.float32)]
+        out_specs = [pl.BlockSpec((None,) * 4 + (nb, mp, D), lambda i, g, s: (*bh(i), g, s, 0, 0, 0)),
+                     pl.BlockSpec((None,) * 4 + (nb, mp), lambda i, g, s: (*bh(i), g, s, 0, 0)),
+                     pl.BlockSpec((None,) * 4 + (nb, mp), lambda i, g, s: (*bh(i), g, s, 0, 0))]
+    outs = pallas(functools.partial(_kernel, sp=sp), grid=(B * H, ng, sp.nsplit), in_specs=specs,
+                  out_specs=out_specs, out_shape=out_shape, args=args, num_warps=num_warps,
+                  num_stages=num_stages, interpret=interpret, name=name)
+    if gated:
+        return unrows(outs[0], Q, G)
+    o, _, _ = combine(*outs, axis=3)  # [B, H, NG, nb, Mp, D]
+    return tuple(unrows(o[:, :, :, b], Q, G) for b in range(nb))
+
+
+def effective_selection(sel: jax.Array, mode: str, group_size: int) -> jax.Array:
+    """The selection a mode actually attends to: `sel` for "A" (and "naive"), the group-shared one for "B"."""
+    if mode in ("A", "naive"):
+        return sel
+    if mode == "B":
+        return groups.shared_selection(sel, group_size)
+    raise ValueError(f"mode={mode!r} is invalid; accepted: 'A' (exact merge), 'B' (shared index), 'naive'")
+
+
+def grouped_verify(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
+                   mode: str = "A", group_size: int = 4, window: bool = False, nsplit: int | None = None,
+                   interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+    """Selected-branch attention of Q queries grouped C = `group_size` at a time (mode "A" exact merge, "B"
+    shared index). Same arguments as `nsa.selected_branch` (plus mode and tuning knobs); returns the fp32
+    selected-branch output [B, Q, Hq, D], or (selected, window) outputs with `window=True`.
+
+    Mode "A" equals `nsa.selected_branch(..., sel)`; mode "B" equals it with `groups.shared_selection(sel, C)`."""
+    check_group_size(group_size, q.shape[1], q.shape[2] // k.shape[2])
+    sel_eff = effective_selection(sel, mode, group_size)
+    out = fused_call(q, q_pos, k, v, kv_len, sel_eff, cfg, extra, group_size=group_size, slc=True, win=window,
+                     nsplit=nsplit, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    return out if window else out[0]

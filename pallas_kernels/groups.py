@@ -1,0 +1,111 @@
+"""Wrapper-side index work for grouped verification (DESIGN.md, "Kernels"): groups of C consecutive flattened
+queries, each group's merged selected-block list (sorted, unique, padded, with a count), the per-(row, block)
+membership, the window chunk range and the per-row visibility of the in-tree (extra) keys.
+
+Everything here is index bookkeeping on [B, Q, Hkv, n] selections; the attention math is in the kernels and the
+reference in `ssv_jax.nsa`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig
+
+from ._common import pad_axis, query_rows
+
+_BIG = 2 ** 30
+META = 8  # per-(batch, KV head, group) int32 scalars, see `GroupPlan.meta`
+M_KVLEN, M_SELCNT, M_WSTART, M_WCNT, M_CMPCHUNKS = range(5)
+
+
+class GroupPlan(NamedTuple):
+    """Per-group kernel inputs.
+
+    `blocks` [B, Hkv, NG, U]: the merged block ids, ascending, valid in the first `meta[..., M_SELCNT]` slots
+    (0 after). `member` [B, Hkv, NG, U, Mp] int32: row r of the group selects merged block u.
+    `t` [B, NG, Mp]: each row's query position (-1 for padding rows, which see nothing).
+    `meta` [B, Hkv, NG, 8] int32: kv_len, merged count, first window chunk, window chunk count, compressed chunks
+    to visit."""
+
+    blocks: jax.Array
+    member: jax.Array
+    t: jax.Array
+    meta: jax.Array
+
+
+def shared_selection(sel: jax.Array, group_size: int) -> jax.Array:
+    """Mode B: every query of a group of `group_size` consecutive queries uses the first query's blocks."""
+    B, Q, H, n = sel.shape
+    first = sel.reshape(B, Q // group_size, group_size, H, n)[:, :, :1]
+    return jnp.broadcast_to(first, (B, Q // group_size, group_size, H, n)).reshape(sel.shape)
+
+
+def merged_blocks(sel: jax.Array, group_size: int):
+    """Sorted unique valid block ids of each group: ([B, Hkv, NG, C*n] ids padded with 0, [B, Hkv, NG] count)."""
+    B, Q, H, n = sel.shape
+    ng = Q // group_size
+    s = jnp.moveaxis(sel.reshape(B, ng, group_size, H, n), 3, 1).reshape(B, H, ng, group_size * n)
+    s1 = jnp.sort(jnp.where(s >= 0, s, _BIG), axis=-1)
+    first = jnp.concatenate([jnp.ones_like(s1[..., :1], bool), s1[..., 1:] != s1[..., :-1]], -1) & (s1 < _BIG)
+    s2 = jnp.sort(jnp.where(first, s1, _BIG), axis=-1)
+    return jnp.where(s2 < _BIG, s2, 0).astype(jnp.int32), jnp.sum(first, -1).astype(jnp.int32)
+
+
+def group_plan(sel, q_pos, kv_len, cfg: ModelConfig, group_size: int, g: int, mp: int,
+               n_cmp_chunk: int | None = None) -> GroupPlan:
+    """Builds the `GroupPlan` for selections `sel` [B, Q, Hkv, n] (already mode-B-shared if wanted).
+
+    `n_cmp_chunk`: chunk size of the compressed keys when a kernel walks them (reuse layer), else None."""
+    B, Q, H, n = sel.shape
+    c, ng = group_size, Q // group_size
+    blocks, count = merged_blocks(sel, c)
+    t = query_rows(q_pos.astype(jnp.int32), c, g, mp, fill=-1)  # [B, NG, Mp]
+    # membership: row r = (query c, head g) selects merged block u
+    srows = jnp.moveaxis(query_rows(sel, c, g, mp, fill=-1), 3, 1)  # [B, Hkv, NG, Mp, n]
+    member = jnp.any(srows[:, :, :, None, :, :] == blocks[..., :, None, None], -1)
+    member = member & (jnp.arange(blocks.shape[-1]) < count[..., None])[..., None]
+    # window chunk range of the group (chunks of l' keys)
+    ls, w = cfg.slc_block, cfg.window
+    qg = q_pos.reshape(B, ng, c).astype(jnp.int32)
+    kl = kv_len.astype(jnp.int32)[:, None]
+    wstart = jnp.maximum(jnp.min(qg, -1) - w + 1, 0) // ls
+    wend = jnp.floor_divide(jnp.minimum(jnp.max(qg, -1), kl - 1), ls)
+    wcnt = jnp.maximum(wend - wstart + 1, 0)
+    zeros = jnp.zeros((B, ng), jnp.int32)
+    if n_cmp_chunk is not None:
+        nvis = nsa.num_complete_blocks(jnp.minimum(jnp.max(qg, -1) + 1, kl), cfg)
+        cmp_chunks = -(-nvis // n_cmp_chunk)
+    else:
+        cmp_chunks = zeros
+    meta = jnp.stack([jnp.broadcast_to(kl, (B, ng)), zeros, wstart, wcnt, cmp_chunks] + [zeros] * (META - 5), -1)
+    meta = jnp.broadcast_to(meta[:, None], (B, H, ng, META)).astype(jnp.int32)
+    meta = meta.at[..., M_SELCNT].set(count)
+    return GroupPlan(blocks, member.astype(jnp.int32), t, meta)
+
+
+def extra_rows(extra: nsa.Extra, sel, cfg: ModelConfig, group_size: int, g: int, mp: int, ep: int, ecp: int):
+    """Per-row extra-key inputs, padded to Ep / Ecp columns (padding is never visible).
+
+    Returns (k, v [B, Ep, Hkv, D], pos [B, Ep], tree-mask rows [B, NG, Mp, Ep], selected-branch visibility rows
+    [B, Hkv, NG, Mp, Ep] (the key's block is selected by the row's query for that KV head; None without `sel`),
+    compressed extras ck, cv [B, Ecp, Hkv, D] and their visibility rows [B, NG, Mp, Ecp])."""
+    E = extra.k.shape[1]
+    k, v = pad_axis(extra.k, 1, ep), pad_axis(extra.v, 1, ep)
+    pos = pad_axis(extra.pos.astype(jnp.int32), 1, ep, fill=0)
+    mask = pad_axis(extra.mask.astype(bool), 2, ep, fill=False) & (jnp.arange(ep) < E)  # [B, Q, Ep]
+    xmask = query_rows(mask, group_size, g, mp, fill=False)
+    xsel = None
+    if sel is not None:
+        xblk = pos // cfg.slc_block  # [B, Ep]
+        in_sel = jnp.any(xblk[:, None, None, :, None] == sel[:, :, :, None, :], -1)  # [B, Q, Hkv, Ep]
+        vis = in_sel & mask[:, :, None, :]
+        xsel = jnp.moveaxis(query_rows(vis, group_size, g, mp, fill=False), 3, 1).astype(jnp.int32)
+    ck, cv = pad_axis(extra.ck, 1, ecp), pad_axis(extra.cv, 1, ecp)
+    cmask = pad_axis(extra.cmask.astype(bool), 2, ecp, fill=False)
+    cmask = query_rows(cmask, group_size, g, mp, fill=False)
+    return k, v, pos, xmask.astype(jnp.int32), xsel, ck, cv, cmask.astype(jnp.int32)

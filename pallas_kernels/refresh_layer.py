@@ -1,0 +1,49 @@
+"""Refresh-layer verify attention (issue #3 item 3): compressed attention with probabilities (launch 1), the
+reference routing (`nsa.block_importance` + `nsa.route`, XLA top_k), then the grouped selected + window kernel
+(launch 2, split with an LSE combine) and the gates. Two Pallas launches; the rest is small XLA glue.
+"""
+
+from __future__ import annotations
+
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig
+
+from ._common import check_group_size, gate
+from .compressed import compressed_attention
+from .grouped_verify import effective_selection, fused_call
+from .naive_verify import naive_verify
+
+
+def route_from_kernel(q, q_pos, kc, vc, kv_len, k_len: int, cfg: ModelConfig, extra=None, *, interpret=False):
+    """Launch 1 plus routing: returns (o_cmp fp32, sel [B, Q, Hkv, n]) with `sel` computed by the reference's
+    `block_importance` and `route` from the kernel's probabilities."""
+    o_cmp, p, px = compressed_attention(q, q_pos, kc, vc, kv_len, cfg, extra, interpret=interpret)
+    imp = nsa.block_importance(p, px, None if extra is None else extra.cidx, cfg, k_len // cfg.slc_block)
+    return o_cmp, nsa.route(imp, q_pos, cfg)
+
+
+def selected_and_window(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra=None, *, mode: str = "A",
+                        group_size: int = 4, nsplit: int | None = None, interpret: bool = False):
+    """(o_slc, o_win) fp32 for an effective selection: the naive per-query kernel plus a C=1 window launch in
+    mode "naive", else one grouped launch for both branches."""
+    if mode == "naive":
+        o_slc = naive_verify(q, q_pos, k, v, kv_len, sel, cfg, extra, interpret=interpret)
+        (o_win,) = fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, group_size=1, slc=False, win=True,
+                              interpret=interpret, name="window_verify")
+        return o_slc, o_win
+    return fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, group_size=group_size, slc=True, win=True,
+                      nsplit=nsplit, interpret=interpret)
+
+
+def refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
+                  mode: str = "A", group_size: int = 4, nsplit: int | None = None, interpret: bool = False):
+    """Complete refresh-layer NSA attention: same arguments and result (o, sel) as `nsa.nsa_attention` with
+    `sel=None`. Mode "B" attends (and returns) the group-shared selection; mode "naive" uses the per-query
+    kernel for the selected branch."""
+    if mode != "naive":
+        check_group_size(group_size, q.shape[1], q.shape[2] // k.shape[2])
+    o_cmp, sel = route_from_kernel(q, q_pos, kc, vc, kv_len, k.shape[1], cfg, extra, interpret=interpret)
+    sel = effective_selection(sel, mode, group_size)
+    o_slc, o_win = selected_and_window(q, q_pos, k, v, kv_len, sel, cfg, extra, mode=mode, group_size=group_size,
+                                       nsplit=nsplit, interpret=interpret)
+    return gate(gates, o_cmp, o_slc, o_win, q.dtype), sel
