@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -114,32 +115,50 @@ def check_compatible(dcfg: DraftConfig, model_cfg: ModelConfig) -> None:
 
 
 # -- parameters ------------------------------------------------------------------------------------------------
+def _weight_shapes(dcfg: DraftConfig) -> dict:
+    H, D, F = dcfg.hidden, dcfg.head_dim, dcfg.ffn
+    Hq, Hkv, nF = dcfg.n_heads, dcfg.n_kv_heads, dcfg.n_features
+    return {"fc": (nF * H, H), "wq": (2 * H, Hq * D), "wk": (2 * H, Hkv * D), "wv": (2 * H, Hkv * D),
+            "wo": (Hq * D, H), "w_gate": (H, F), "w_up": (H, F), "w_down": (F, H), "lm_head": (H, dcfg.draft_vocab)}
+
+
+@partial(jax.jit, static_argnums=(0, 2))
+def _init_weights(dcfg: DraftConfig, key: jax.Array, dtype) -> dict:
+    # one normal draw sliced into every matrix: a single compile per config
+    shapes = _weight_shapes(dcfg)
+    sizes = [math.prod(s) for s in shapes.values()]
+    k_w, k_e = jax.random.split(key)
+    flat = jax.random.normal(k_w, (sum(sizes),), jnp.float32)
+    p, off = {}, 0
+    for (name, shp), n in zip(shapes.items(), sizes):
+        p[name] = (flat[off:off + n].reshape(shp) / math.sqrt(shp[0])).astype(dtype)
+        off += n
+    for name in ("hidden_norm", "input_norm", "post_norm", "norm"):
+        p[name] = jnp.ones((dcfg.hidden,), dtype)
+    if dcfg.has_embed:
+        p["embed"] = jax.random.normal(k_e, (dcfg.target_vocab, dcfg.hidden), jnp.float32).astype(dtype)
+    return p
+
+
 def init_draft_params(dcfg: DraftConfig, key: jax.Array, dtype=jnp.float32, d2t: jax.Array | None = None) -> dict:
-    """Random head parameters (normal, std 1/sqrt(fan_in); norms ones).
+    """Random head parameters (matrices normal with std 1/sqrt(fan_in), norms ones, embedding std 1).
 
     `d2t` [Vd] int32 maps draft id i to target id i + d2t[i]; by default the draft vocabulary is the first Vd
     target ids (d2t = 0). `t2d` [V] bool marks the target ids that are in the draft vocabulary.
     An `embed` [V, H] table is created only when `dcfg.has_embed`.
     """
-    H, D, F = dcfg.hidden, dcfg.head_dim, dcfg.ffn
-    Hq, Hkv, nF = dcfg.n_heads, dcfg.n_kv_heads, dcfg.n_features
-    shapes = {"fc": (nF * H, H), "wq": (2 * H, Hq * D), "wk": (2 * H, Hkv * D), "wv": (2 * H, Hkv * D),
-              "wo": (Hq * D, H), "w_gate": (H, F), "w_up": (H, F), "w_down": (F, H), "lm_head": (H, dcfg.draft_vocab)}
-    keys = jax.random.split(key, len(shapes) + 1)
-    p = {}
-    for k, (name, shp) in zip(keys, shapes.items()):
-        p[name] = (jax.random.normal(k, shp, jnp.float32) / math.sqrt(shp[0])).astype(dtype)
-    for name in ("hidden_norm", "input_norm", "post_norm", "norm"):
-        p[name] = jnp.ones((H,), dtype)
+    p = dict(_init_weights(dcfg, key, jnp.dtype(dtype)))
     if d2t is None:
         d2t = jnp.zeros((dcfg.draft_vocab,), jnp.int32)
     d2t = jnp.asarray(d2t, jnp.int32)
     if d2t.shape != (dcfg.draft_vocab,):
         raise ValueError(f"d2t has shape {d2t.shape}; accepted: ({dcfg.draft_vocab},)")
+    tgt = jnp.arange(dcfg.draft_vocab) + d2t
+    if not isinstance(tgt, jax.core.Tracer) and not bool(jnp.all((tgt >= 0) & (tgt < dcfg.target_vocab))):
+        raise ValueError(f"d2t maps draft ids outside the target vocabulary; accepted: 0 <= i + d2t[i] < "
+                         f"{dcfg.target_vocab}")
     p["d2t"] = d2t
-    p["t2d"] = jnp.zeros((dcfg.target_vocab,), bool).at[jnp.arange(dcfg.draft_vocab) + d2t].set(True)
-    if dcfg.has_embed:
-        p["embed"] = jax.random.normal(keys[-1], (dcfg.target_vocab, H), jnp.float32).astype(dtype)
+    p["t2d"] = jnp.zeros((dcfg.target_vocab,), bool).at[tgt].set(True)
     return p
 
 
