@@ -153,12 +153,12 @@ def route(imp: jax.Array, q_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def _gather_keys(k, pos):
-    """k [B, S, Hkv, D], pos [B, Q, Hkv, K] -> [B, Q, Hkv, K, D] (positions clipped into range)."""
+    """k [B, S, Hkv, D], pos [B, Q, Hkv, K] -> [B, Q, Hkv, K, D] (positions clipped into range). One gather on
+    the cache's own layout: no transposed copy of the cache."""
     B, S, H, D = k.shape
-    kt = jnp.swapaxes(k, 1, 2)  # [B, Hkv, S, D]
-    p = jnp.clip(jnp.swapaxes(pos, 1, 2), 0, S - 1)  # [B, Hkv, Q, K]
-    g = jax.vmap(jax.vmap(lambda kk, pp: kk[pp]))(kt, p)  # [B, Hkv, Q, K, D]
-    return jnp.swapaxes(g, 1, 2)
+    b = jnp.arange(B)[:, None, None, None]
+    h = jnp.arange(H)[None, None, :, None]
+    return k[b, jnp.clip(pos, 0, S - 1), h]
 
 
 def _branch_with_extra(q, kpos, kvalid, k, v, extra: Extra | None, xvis):

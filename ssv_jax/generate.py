@@ -1,0 +1,143 @@
+"""Generation: autoregressive NSA decoding (`ar_generate`) and, in `ssv_jax.speculative`, SSV.
+
+Both run their steps inside a jitted `lax.while_loop` over fixed-size buffers, a chunk of steps per call; the host
+only shows progress (and, for SSV, runs the planner) between chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssv_jax import cache as kvc
+from ssv_jax import model as M
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig
+
+
+@dataclass
+class GenerateResult:
+    """Generated token ids [B, n] (n <= max_new_tokens; rows that hit EOS are padded with eos_id) and stats."""
+
+    tokens: np.ndarray
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def unpack_target(model) -> tuple[ModelConfig, dict]:
+    """Accept an `NSATransformer`, a checkpoint bundle (with .cfg/.params) or a (cfg, params) pair."""
+    if isinstance(model, M.NSATransformer):
+        return model.cfg, model.params()
+    if hasattr(model, "cfg") and hasattr(model, "params"):
+        return model.cfg, model.params
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], ModelConfig):
+        return model
+    raise ValueError(f"model of type {type(model).__name__} is not accepted; accepted: NSATransformer, a "
+                     "checkpoint Bundle, or a (ModelConfig, params) pair")
+
+
+def prepare_prompt(cfg: ModelConfig, prompt_ids, max_new_tokens: int, extra_room: int = 0) -> np.ndarray:
+    """Validate a prompt ([P] or [B, P] ints) against the config; returns [B, P] int32."""
+    p = np.asarray(prompt_ids)
+    if p.ndim == 1:
+        p = p[None]
+    if p.ndim != 2:
+        raise ValueError(f"prompt_ids has shape {p.shape}; accepted: [P] or [B, P]")
+    M.validate_tokens(cfg, p)
+    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; accepted: an integer >= 1")
+    need = p.shape[1] + max_new_tokens + extra_room
+    if need > cfg.max_seq_len:
+        raise ValueError(f"prompt ({p.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + working room "
+                         f"({extra_room}) = {need} exceeds the cache; accepted: at most "
+                         f"cfg.max_seq_len={cfg.max_seq_len} in total")
+    return p.astype(np.int32)
+
+
+def sample(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
+    """Greedy argmax at temperature 0, else a categorical sample of logits / temperature. logits [..., V]."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, -1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature, -1).astype(jnp.int32)
+
+
+def _check_sampling(temperature: float, eos_id, cfg: ModelConfig):
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):
+        raise ValueError(f"temperature={temperature!r} is invalid; accepted: a float >= 0")
+    if eos_id is not None and not (0 <= eos_id < cfg.vocab_size):
+        raise ValueError(f"eos_id={eos_id} is invalid; accepted: None or an id in [0, {cfg.vocab_size})")
+
+
+@partial(jax.jit, static_argnames=("cfg", "steps", "temperature", "schedule", "attn"), donate_argnames=("cache",))
+def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, *, steps: int, temperature: float,
+              schedule, attn):
+    """`steps` decode steps in one while_loop. token [B] is the last sampled token (not yet in the cache)."""
+    B = token.shape[0]
+
+    def cond(c):
+        i, _, _, done, _ = c
+        return (i < steps) & ~jnp.all(done)
+
+    def body(c):
+        i, cache, tok, done, out = c
+        logits, _, cache = M.forward(params, cfg, tok[:, None], cache, schedule=schedule, unroll=True, attn=attn)
+        nxt = sample(logits[:, 0], temperature, jax.random.fold_in(key, i))
+        nxt = jnp.where(done, eos, nxt)
+        out = out.at[:, i].set(nxt)
+        return i + 1, cache, nxt, done | (nxt == eos), out
+
+    out = jnp.full((B, steps), -1, jnp.int32)
+    n, cache, tok, done, out = jax.lax.while_loop(cond, body, (0, cache, token, done, out))
+    return cache, tok, done, out, n
+
+
+def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                eos_id: int | None = None, *, schedule=None, attn=nsa.nsa_attention, chunk_steps: int = 64,
+                prefill_chunk: int = 512, cache_dtype=None, progress: bool = False) -> GenerateResult:
+    """Autoregressive NSA decoding (optionally under a refresh/reuse `schedule`, the SSV model variant).
+
+    Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
+    cfg, params = unpack_target(model)
+    _check_sampling(temperature, eos_id, cfg)
+    prompt = prepare_prompt(cfg, prompt_ids, max_new_tokens, extra_room=prefill_chunk)
+    B, P = prompt.shape
+    dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
+    cache = kvc.init_cache(cfg, B, P + max_new_tokens + prefill_chunk, dtype)
+    key_first, key = jax.random.split(jax.random.key(seed))
+    t0 = time.perf_counter()
+    logits, _, cache = M.prefill(params, cfg, prompt, cache, chunk=prefill_chunk, schedule=schedule, attn=attn,
+                                 progress=progress)
+    tok = sample(logits, temperature, key_first)
+    jax.block_until_ready(tok)
+    t1 = time.perf_counter()
+    eos = jnp.int32(-2 if eos_id is None else eos_id)
+    done = tok == eos
+    outs = [np.asarray(tok)[:, None]]
+    produced = 1
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=max_new_tokens, desc="decode", unit="tok", initial=1)
+    while produced < max_new_tokens and not bool(jnp.all(done)):
+        steps = min(chunk_steps, max_new_tokens - produced)
+        cache, tok, done, out, n = _ar_chunk(params, cfg, cache, tok, jax.random.fold_in(key, produced), done,
+                                             eos, steps=steps, temperature=float(temperature),
+                                             schedule=schedule, attn=attn)
+        n = int(n)
+        outs.append(np.asarray(out)[:, :n])
+        produced += n
+        if bar is not None:
+            bar.update(n)
+    if bar is not None:
+        bar.close()
+    t2 = time.perf_counter()
+    tokens = np.concatenate(outs, 1)
+    stats = dict(prefill_s=t1 - t0, decode_s=t2 - t1, steps=int(tokens.shape[1]),
+                 tokens_per_s=(tokens.shape[1] - 1) / max(t2 - t1, 1e-9), method="ar",
+                 schedule=None if schedule is None else str(schedule))
+    return GenerateResult(tokens, stats)

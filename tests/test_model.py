@@ -1,0 +1,178 @@
+"""The NSA target model: decode == prefill, the incremental compressed cache, verify mode == AR, configs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssv_jax import cache as kvc
+from ssv_jax import model as M
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig, get_config
+
+CFG = get_config("tiny", max_seq_len=1152)
+PARAMS = M.init_params(CFG, jax.random.key(0))
+
+
+def _decode_all(params, cfg, tokens, cache):
+    """Teacher-forced decode, one token per step, in one compiled scan."""
+
+    def step(c, tok):
+        lg, ft, c = M.forward(params, cfg, tok[:, None], c)
+        return c, lg[:, 0]
+
+    cache, logits = jax.lax.scan(step, cache, tokens.T)
+    return jnp.swapaxes(logits, 0, 1), cache
+
+
+def _rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+def test_decode_equals_prefill_at_every_position_up_to_1040():
+    S = 1040
+    toks = jax.random.randint(jax.random.key(1), (1, S), 0, CFG.vocab_size)
+    full, _ = M.forward_train(PARAMS, CFG, toks, q_chunk=S // 4 if S % 4 == 0 else S)
+    dec, cache = jax.jit(_decode_all, static_argnums=1)(PARAMS, CFG, toks, kvc.init_cache(CFG, 1, S))
+    err = np.max(np.abs(np.asarray(dec - full)), axis=-1)[0] / float(jnp.max(jnp.abs(full)))
+    assert err.shape == (S,)
+    assert err.max() <= 1e-5, f"worst position {err.argmax()}: {err.max():.2e}"
+    assert int(cache.length[0]) == S
+
+
+def test_chunked_prefill_equals_full_sequence_and_decode_continues():
+    toks = np.asarray(jax.random.randint(jax.random.key(2), (1, 333), 0, CFG.vocab_size))
+    full, feats = M.forward_train(PARAMS, CFG, jnp.asarray(toks), q_chunk=333)
+    cache = kvc.init_cache(CFG, 1, 512)
+    lg, ft, cache = M.prefill(PARAMS, CFG, toks[:, :300], cache, chunk=64)  # last chunk padded
+    assert _rel(lg, full[:, 299]) <= 1e-5
+    assert _rel(ft, feats[:, 299]) <= 1e-5
+    assert ft.shape == (1, 3 * CFG.hidden)
+    dec, _ = _decode_all(PARAMS, CFG, jnp.asarray(toks[:, 300:]), cache)
+    assert _rel(dec, full[:, 300:]) <= 1e-5
+
+
+@pytest.mark.parametrize("compression", ["mean", "mlp"])
+def test_incremental_compressed_cache_equals_recomputed(compression):
+    cfg = CFG.replace(compression=compression)
+    params = M.init_params(cfg, jax.random.key(3))
+    toks = np.asarray(jax.random.randint(jax.random.key(4), (1, 261), 0, cfg.vocab_size))
+    cache = kvc.init_cache(cfg, 1, 320)
+    _, _, cache = M.prefill(params, cfg, toks[:, :150], cache, chunk=32)
+    _, cache = _decode_all(params, cfg, jnp.asarray(toks[:, 150:]), cache)
+    n = int(nsa.num_complete_blocks(jnp.int32(261), cfg))
+    for li in range(cfg.n_layers):
+        w = None if compression == "mean" else (params["layers"]["cmp_wk"][li], params["layers"]["cmp_pek"][li])
+        ref = nsa.compress_all(cache.k[li], cfg, *(w or ()))
+        np.testing.assert_allclose(np.asarray(cache.kc[li, :, :n]), np.asarray(ref[:, :n]), rtol=1e-5, atol=1e-6)
+
+
+def _tree(parents):
+    N = len(parents)
+    depth = [0] * N
+    mask = np.zeros((N, N), bool)
+    for i in range(N):
+        depth[i] = 0 if parents[i] < 0 else depth[parents[i]] + 1
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return np.array(depth), mask
+
+
+@pytest.mark.parametrize("T", [100, 143, 159])
+def test_verify_mode_equals_ar_on_every_path(T):
+    """Every node's logits equal the AR logits after appending its root-to-node path (mode A, refresh always),
+    including paths that complete compressed blocks (d=8) and cross selection blocks (l'=32)."""
+    r = np.random.default_rng(T)
+    ctx = r.integers(0, CFG.vocab_size, (1, T))
+    parents = [-1, 0, 0, 1, 1, 2, 3, 4, 6, 8, 9, 10, 11, 12, 13, 14]
+    depth, mask = _tree(parents)
+    node_tok = r.integers(0, CFG.vocab_size, len(parents))
+    _, _, cache = M.prefill(PARAMS, CFG, ctx, kvc.init_cache(CFG, 1, 256), chunk=64)
+    tree = M.TreeInputs(jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(depth[None], jnp.int32),
+                        jnp.asarray(mask[None]))
+    logits, feats, _, _ = M.forward_tree(PARAMS, CFG, tree, cache)
+    for a in range(len(parents)):
+        c = jax.tree.map(jnp.copy, cache)
+        for tok in node_tok[mask[a]]:  # AR decoding of the root-to-node path
+            ref, ref_f, c = M.forward(PARAMS, CFG, jnp.asarray([[tok]], jnp.int32), c)
+        assert _rel(logits[0, a], ref[0, -1]) <= 1e-5, f"node {a} depth {depth[a]}"
+        assert _rel(feats[0, a], ref_f[0, -1]) <= 1e-5
+
+
+def test_commit_tree_equals_decoding_the_path():
+    r = np.random.default_rng(9)
+    ctx = r.integers(0, CFG.vocab_size, (1, 117))
+    parents = [-1, 0, 1, 2, 0, 4, 5, 6, 7]
+    depth, mask = _tree(parents)
+    node_tok = r.integers(0, CFG.vocab_size, len(parents))
+    _, _, cache = M.prefill(PARAMS, CFG, ctx, kvc.init_cache(CFG, 1, 256), chunk=64)
+    tree = M.TreeInputs(jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(depth[None], jnp.int32),
+                        jnp.asarray(mask[None]))
+    _, _, nk, nv = M.forward_tree(PARAMS, CFG, tree, cache)
+    path = np.array([[0, 4, 5, 6, 7, -1]])
+    ref_cache = jax.tree.map(jnp.copy, cache)
+    cache = M.commit_tree(PARAMS, CFG, cache, nk, nv, jnp.asarray(path), jnp.asarray([5]))
+    _, ref_cache = _decode_all(PARAMS, CFG, jnp.asarray(node_tok[[0, 4, 5, 6, 7]][None]), ref_cache)
+    assert int(cache.length[0]) == int(ref_cache.length[0]) == 122
+    n = int(nsa.num_complete_blocks(jnp.int32(122), CFG))
+    np.testing.assert_allclose(np.asarray(cache.k[:, :, :122]), np.asarray(ref_cache.k[:, :, :122]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cache.kc[:, :, :n]), np.asarray(ref_cache.kc[:, :, :n]), atol=1e-5)
+
+
+def test_llama31_8b_instantiates_abstractly_with_8b_parameters():
+    cfg = get_config("llama31-8b-nsa")
+    shapes = jax.eval_shape(lambda k: M.init_params(cfg, k, jnp.bfloat16), jax.random.key(0))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    print(f"llama31-8b-nsa parameters: {n:,}")
+    assert n == cfg.param_count()
+    assert 7.9e9 < n < 8.2e9
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(shapes))
+
+
+def test_param_count_matches_init_for_every_preset_shape():
+    for cfg in (CFG, CFG.replace(compression="mlp", tie_embeddings=True), get_config("small")):
+        shapes = jax.eval_shape(lambda k: M.init_params(cfg, k), jax.random.key(0))
+        assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)) == cfg.param_count()
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("slc_block", 36, "multiple of cmp_stride"),
+    ("n_slc", 2, ">= 3"),
+    ("window", 16, ">= slc_block"),
+    ("head_dim", 8, ">= 16"),
+    ("n_heads", 5, "multiple of n_kv_heads"),
+    ("compression", "max", "'mean' or 'mlp'"),
+    ("feature_layers", (0, 9), "layer indices"),
+])
+def test_bad_config_raises_clear_value_error(field, value, needle):
+    with pytest.raises(ValueError, match=field) as e:
+        get_config("tiny", **{field: value})
+    assert needle in str(e.value)
+
+
+def test_unknown_preset_is_rejected():
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_config("gpt5")
+
+
+def test_config_round_trips_through_dict():
+    cfg = get_config("llama31-8b-nsa")
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg.replace(feature_layers=cfg.features)
+
+
+def test_prompt_longer_than_cache_is_rejected():
+    cache = kvc.init_cache(CFG, 1, 128)
+    with pytest.raises(ValueError, match="does not fit"):
+        M.prefill(PARAMS, CFG, np.zeros((1, 200), np.int32), cache, chunk=64)
+
+
+def test_empty_prompt_and_out_of_vocab_ids_are_rejected():
+    cache = kvc.init_cache(CFG, 1, 128)
+    with pytest.raises(ValueError, match="empty"):
+        M.prefill(PARAMS, CFG, np.zeros((1, 0), np.int32), cache)
+    with pytest.raises(ValueError, match=r"out of vocabulary.*\[0, 256\)"):
+        M.prefill(PARAMS, CFG, np.array([[1, 2, 256]]), cache)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        M.prefill(PARAMS, CFG, np.array([[1, -1]]), cache)
