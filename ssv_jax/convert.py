@@ -404,6 +404,8 @@ def plan_eagle3(ck: Checkpoint, target_cfg: ModelConfig) -> Plan:
         raise ConversionError(f"checkpoint {str(ck.path)!r} (format eagle3) lacks required key "
                               f"'midlayer.self_attn.q_proj.weight' (or 'layers.0.self_attn.q_proj.weight')")
     H = int(_cfg_get(c, "hidden_size"))
+    if _cfg_get(c, "hidden_act", default="silu") not in ("silu", "swish"):
+        raise ConversionError(f"hidden_act={c['hidden_act']!r} is not supported; accepted: 'silu' / 'swish'")
     if c.get("target_hidden_size") not in (None, H):
         raise ConversionError(f"target_hidden_size={c['target_hidden_size']} differs from hidden_size={H}; "
                               f"accepted: a head whose hidden size equals the target's")
