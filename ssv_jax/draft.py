@@ -65,6 +65,9 @@ class DraftConfig:
             if not ok:
                 raise ValueError(f"DraftConfig.{name}={value!r} is invalid; accepted: {accepted}")
 
+        if isinstance(self.feature_layers, list):  # from JSON
+            object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
+
         for f in ("hidden", "n_heads", "n_kv_heads", "ffn", "draft_vocab", "target_vocab", "max_seq_len"):
             v = getattr(self, f)
             need(isinstance(v, int) and v >= 1, f, v, "an integer >= 1")
@@ -98,7 +101,23 @@ class DraftConfig:
         return cls(**kw)
 
     def replace(self, **kw) -> "DraftConfig":
+        """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (`from_dict` inverts it)."""
+        d = dataclasses.asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        """Inverse of `to_dict`; unknown keys raise `ValueError`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown DraftConfig fields {unknown}; accepted: {sorted(known)}")
+        return cls(**d)
 
 
 def check_compatible(dcfg: DraftConfig, model_cfg: ModelConfig) -> None:
@@ -223,27 +242,67 @@ def _qkv(params, dcfg: DraftConfig, emb, h, pos):
     return rope(q, pos, dcfg.rope_theta), rope(k, pos, dcfg.rope_theta), v
 
 
+# Above this many fp32 scores per key set, attention runs over key chunks with an online softmax (lax.scan), so
+# long-context prefill of the head stays within memory; below it, one dense pass (the decode-time case).
+DENSE_SCORES_MAX = 1 << 27
+
+
+def _block_stats(qg, k, v, mask):
+    """Softmax statistics of one key block: running max m, sum l [B, Hkv, G, M] and weighted values
+    acc [B, M, Hkv, G, D], with fully masked rows giving m = -1e30, l = 0, acc = 0."""
+    s = jnp.einsum("bmhgd,bshd->bhgms", qg, k.astype(jnp.float32))
+    mk = mask[:, None, None]
+    m = jnp.max(jnp.where(mk, s, -1e30), axis=-1)
+    e = jnp.where(mk, jnp.exp(s - m[..., None]), 0.0)
+    return m, jnp.sum(e, axis=-1), jnp.einsum("bhgms,bshd->bmhgd", e, v.astype(jnp.float32))
+
+
+def _merge(x, y):
+    (m1, l1, a1), (m2, l2, a2) = x, y
+    m = jnp.maximum(m1, m2)
+    c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    t = lambda c: jnp.transpose(c, (0, 3, 1, 2))[..., None]  # [B, Hkv, G, M] -> [B, M, Hkv, G, 1]
+    return m, l1 * c1 + l2 * c2, a1 * t(c1) + a2 * t(c2)
+
+
+def _chunk(S: int, per_key: int) -> int:
+    """The largest divisor of S whose score block fits DENSE_SCORES_MAX (S itself when it all fits)."""
+    target = max(1, DENSE_SCORES_MAX // max(per_key, 1))
+    if S <= target:
+        return S
+    return max(c for c in range(1, target + 1) if S % c == 0)
+
+
 def _attend(q, parts, dcfg: DraftConfig):
     """Joint softmax of q [B, M, Hq, D] over several key sets without concatenating them.
 
-    `parts` is a list of (k [B, S_i, Hkv, D], v [B, S_i, Hkv, D], mask [B, M, S_i]). Returns [B, M, Hq*D]."""
+    `parts` is a list of (k [B, S_i, Hkv, D], v [B, S_i, Hkv, D], mask) where mask is [B, M, S_i] bool or a
+    function (start, size) -> [B, M, size] (so long caches never materialise a full mask). Returns [B, M, Hq*D].
+    """
     B, M, Hq, D = q.shape
     Hkv = dcfg.n_kv_heads
     qg = q.reshape(B, M, Hkv, Hq // Hkv, D).astype(jnp.float32) / math.sqrt(D)
-    scores = []
+    stats = None
     for k, v, mask in parts:
-        s = jnp.einsum("bmhgd,bshd->bhgms", qg, k.astype(jnp.float32))
-        scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
-    m = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores], 0), 0)  # [B, Hkv, G, M]
-    m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
-    num, den = 0.0, 0.0
-    for s, (k, v, mask) in zip(scores, parts):
-        e = jnp.exp(s - m)
-        den = den + jnp.sum(e, axis=-1)
-        num = num + jnp.einsum("bhgms,bshd->bmhgd", e, v.astype(jnp.float32))
-    den = jnp.maximum(den, 1e-30)  # all-masked rows (invalid queries only) give zeros
-    out = num / jnp.transpose(den, (0, 3, 1, 2))[..., None]
-    return out.reshape(B, M, Hq * D).astype(q.dtype)
+        S = k.shape[1]
+        mfn = mask if callable(mask) else (lambda s0, n, mask=mask: jax.lax.dynamic_slice_in_dim(mask, s0, n, 2))
+        c = _chunk(S, B * Hq * M)
+        if c == S:
+            st = _block_stats(qg, k, v, mfn(0, S))
+        else:
+            def body(carry, i, k=k, v=v, mfn=mfn, c=c):
+                s0 = i * c
+                blk = _block_stats(qg, jax.lax.dynamic_slice_in_dim(k, s0, c, 1),
+                                   jax.lax.dynamic_slice_in_dim(v, s0, c, 1), mfn(s0, c))
+                return _merge(carry, blk), None
+
+            init = (jnp.full((B, Hkv, Hq // Hkv, M), -1e30), jnp.zeros((B, Hkv, Hq // Hkv, M)),
+                    jnp.zeros((B, M, Hkv, Hq // Hkv, D)))
+            st, _ = jax.lax.scan(body, init, jnp.arange(S // c))
+        stats = st if stats is None else _merge(stats, st)
+    _, l, acc = stats
+    l = jnp.maximum(jnp.transpose(l, (0, 3, 1, 2))[..., None], 1e-30)  # all-masked rows (invalid queries) -> 0
+    return (acc / l).reshape(B, M, Hq * D).astype(q.dtype)
 
 
 def _finish(params, dcfg: DraftConfig, h, attn):
@@ -285,8 +344,11 @@ def draft_extend(params: dict, dcfg: DraftConfig, embed: jax.Array | None, feats
     ck = cache.k.at[bidx, slot].set(k.astype(cache.k.dtype), mode="drop")
     cv = cache.v.at[bidx, slot].set(v.astype(cache.v.dtype), mode="drop")
     new_len = jnp.maximum(cache.length, jnp.max(jnp.where(valid, positions + 1, 0), axis=1)).astype(jnp.int32)
-    s_idx = jnp.arange(S)
-    mask = (s_idx[None, None, :] <= positions[:, :, None]) & (s_idx[None, None, :] < new_len[:, None, None])
+
+    def mask(s0, n):
+        s_idx = s0 + jnp.arange(n)
+        return (s_idx[None, None, :] <= positions[:, :, None]) & (s_idx[None, None, :] < new_len[:, None, None])
+
     attn = _attend(q, [(ck, cv, mask)], dcfg)
     hidden = _finish(params, dcfg, h, attn)
     return hidden, draft_logits(params, dcfg, hidden), DraftCache(ck, cv, new_len)
@@ -311,7 +373,9 @@ def draft_tree_step(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hi
     q, k, v = _qkv(params, dcfg, emb, hidden, positions)
     B, M = tokens.shape
     S = cache.k.shape[1]
-    cmask = jnp.broadcast_to((jnp.arange(S)[None, :] < cache.length[:, None])[:, None, :], (B, M, S))
+    def cmask(s0, n):
+        return jnp.broadcast_to(((s0 + jnp.arange(n))[None, :] < cache.length[:, None])[:, None, :], (B, M, n))
+
     self_mask = jnp.broadcast_to(jnp.eye(M, dtype=bool)[None], (B, M, M))
     parts = [(cache.k, cache.v, cmask), (k, v, self_mask)]
     if ext_k.shape[1] > 0:
@@ -357,6 +421,12 @@ class Eagle3Head(nnx.Module):
     def extend(self, embed, feats, next_tokens, positions, valid, cache):
         """`draft_extend` with this head's parameters."""
         return draft_extend(self.params(), self.dcfg, embed, feats, next_tokens, positions, valid, cache)
+
+    def build_tree(self, embed, root_hidden, root_token, root_pos, cache, spec):
+        """`tree.build_tree` with this head's parameters."""
+        from ssv_jax.tree import build_tree
+
+        return build_tree(self.params(), self.dcfg, embed, root_hidden, root_token, root_pos, cache, spec)
 
     def tree_step(self, embed, hidden, tokens, positions, cache, ext_k, ext_v, ext_mask):
         """`draft_tree_step` with this head's parameters."""

@@ -70,11 +70,13 @@ def test_bad_max_depth():
 def test_stochastic_cold_equals_greedy():
     """At a tiny temperature the target is one-hot, so stochastic acceptance must reproduce greedy."""
     t = tree_from_parents(TOKENS, PARENTS)
+    greedy = jax.jit(greedy_accept, static_argnums=2)
+    stoch = jax.jit(stochastic_accept, static_argnums=4)
     for argmaxes in ([2, 0, 0, 0, 3, 0, 0, 6], [4, 0, 0, 7, 0, 0, 0, 0], [2, 1, 0, 0, 0, 4, 0, 0]):
         lg = _logits_with_argmax(argmaxes)
-        g = greedy_accept(t, lg, 3)
+        g = greedy(t, lg, 3)
         for seed in range(3):
-            s = stochastic_accept(t, lg, 1e-3, jax.random.key(seed), 3)
+            s = stoch(t, lg, 1e-3, jax.random.key(seed), 3)
             for a, b in zip(g, s):
                 np.testing.assert_array_equal(a, b)
 
@@ -171,11 +173,16 @@ def test_lossless_three_token_chi_square(draft_noise):
 def test_lossless_tree_actually_accepts():
     """The close draft must get long accepted paths, so the chi-square test exercises the tree walk."""
     target, draft = _toy_tables(0.3)
-    dlogp = jax.nn.log_softmax(draft, -1)
+
+    @jax.jit
+    def one_round(target, draft):
+        dlogp = jax.nn.log_softmax(draft, -1)
+        last = jnp.full((4096,), X0, jnp.int32)
+        tree = build_tree_with(lambda s, lvl, tok, rows, anc: (s, dlogp[tok]), None, dlogp[last], last,
+                               jnp.zeros((4096,), jnp.int32), SPEC_B)
+        return stochastic_accept(tree, target[tree.tokens], TEMP, jax.random.key(0), SPEC_B.depth)[1]
+
     B = 4096
-    last = jnp.full((B,), X0, jnp.int32)
-    tree = build_tree_with(lambda s, lvl, tok, rows, anc: (s, dlogp[tok]), None, dlogp[last], last,
-                           jnp.zeros((B,), jnp.int32), SPEC_B)
-    _, n, _ = stochastic_accept(tree, target[tree.tokens], TEMP, jax.random.key(0), SPEC_B.depth)
+    n = one_round(target, draft)
     hist = np.bincount(np.asarray(n), minlength=4)
     assert hist[2:].sum() > 0.2 * B and hist[0] > 0, hist

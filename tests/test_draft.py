@@ -35,6 +35,15 @@ def test_for_target_matches():
     hash(DCFG)  # a valid jit static argument
 
 
+def test_config_dict_roundtrip():
+    import json
+
+    d = json.loads(json.dumps(DCFG.to_dict()))
+    assert DraftConfig.from_dict(d) == DCFG
+    with pytest.raises(ValueError, match="unknown DraftConfig fields"):
+        DraftConfig.from_dict(dict(d, bogus=1))
+
+
 @pytest.mark.parametrize("change,what", [
     (dict(hidden=32), "hidden=32"),
     (dict(target_vocab=300), "target_vocab=300"),
@@ -191,6 +200,22 @@ def test_tree_step_sees_ancestors_not_siblings(setup):
         o1, l1, _, _ = step(params, DCFG, embed, hid[:, j:j + 1], tok[:, j:j + 1], p[:, j:j + 1], c, ek, ev,
                             m[:, j:j + 1])
         np.testing.assert_allclose(o1[:, 0], out[:, j], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_attention_equals_dense(setup, monkeypatch):
+    """Long caches run over key chunks with an online softmax; it must match the dense pass."""
+    import ssv_jax.draft as draft_mod
+
+    params, embed, feats, nxt, pos = setup
+    valid = jnp.ones((B, T), bool).at[1, 6:].set(False)
+    c0 = init_draft_cache(DCFG, B)
+    dense = draft_extend(params, DCFG, embed, feats, nxt, pos, valid, c0)
+    monkeypatch.setattr(draft_mod, "DENSE_SCORES_MAX", B * CFG.n_heads * T * 6)  # chunks of 6 slots (24 = 4 x 6)
+    assert draft_mod._chunk(24, B * CFG.n_heads * T) == 6
+    chunked = draft_extend(params, DCFG, embed, feats, nxt, pos, valid, c0)
+    np.testing.assert_allclose(chunked[0][0], dense[0][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(chunked[0][1, :6], dense[0][1, :6], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(chunked[2].length, [T, 6])
 
 
 # -- the NNX module -----------------------------------------------------------------------------------------------
