@@ -572,7 +572,7 @@ class Report:
             lines.append(f"  unexpected keys (ignored): {', '.join(unx[:12]) or 'none'}{more}")
             lines += [f"  note: {x}" for x in plan.notes]
         lines += [f"note: {x}" for x in self.notes]
-        lines.append(f"total parameters: {self.param_count():,}")
+        lines.append(f"total parameters converted: {self.param_count():,}")
         return "\n".join(lines)
 
 
