@@ -86,14 +86,16 @@ def check_cfg(cfg: ModelConfig, head_dim: int) -> None:
         raise ValueError(f"head_dim={head_dim} is invalid for the kernels; accepted: a power of two >= 16")
     if not (is_pow2(cfg.slc_block) and cfg.slc_block >= 16):
         raise ValueError(f"slc_block={cfg.slc_block} is invalid for the kernels; accepted: a power of two >= 16")
+    if not is_pow2(cfg.n_slc):
+        raise ValueError(f"n_slc={cfg.n_slc} is invalid for the kernels; accepted: a power of two")
 
 
 def check_group_size(group_size, n_queries: int, g: int, max_rows: int = 256) -> int:
-    """C must be a positive integer dividing Q with C*G <= max_rows."""
-    ok = isinstance(group_size, int) and group_size >= 1
+    """C must be a power of two dividing Q with C*G <= max_rows (the kernel loads the group's [C, n] indices)."""
+    ok = isinstance(group_size, int) and is_pow2(group_size)
     if not ok or n_queries % group_size or group_size * g > max_rows:
-        raise ValueError(f"group_size C={group_size!r} is invalid for Q={n_queries}, G={g}; accepted: an integer "
-                         f"C >= 1 that divides Q with C*G <= {max_rows}")
+        raise ValueError(f"group_size C={group_size!r} is invalid for Q={n_queries}, G={g}; accepted: a power of "
+                         f"two C >= 1 that divides Q with C*G <= {max_rows}")
     return group_size
 
 

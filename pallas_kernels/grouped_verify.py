@@ -3,8 +3,8 @@
 One program serves a group of C consecutive flattened queries for one KV head: its M = C*G rows (GQA heads x
 queries) are padded to a power of two >= 16, so every selected KV block is loaded once for the whole group.
 
-* mode "A" (exact merge): the program walks the union of the group's selected blocks (sorted, unique) and masks
-  each row to its own query's blocks (`groups.GroupPlan.member`);
+* mode "A" (exact merge): the program walks the union of the group's selected blocks (each block once: an entry
+  already seen earlier in the group's C x n index tile is skipped) and masks each row to its own query's blocks;
 * mode "B" (shared index): every query of the group uses the first query's blocks (an approximation).
 
 The same kernel body, with static branch flags, serves three callers:
@@ -36,6 +36,9 @@ from ._common import (check_cache, check_cfg, check_group_size, check_sel, combi
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
+    c: int
+    g: int
+    n: int
     mp: int
     d: int
     ls: int
@@ -44,6 +47,7 @@ class _Spec:
     cmp_stride: int
     cb: int
     nsplit: int
+    shared: bool
     slc: bool
     win: bool
     cmp: bool
@@ -56,10 +60,19 @@ class _Spec:
         return self.d ** -0.5
 
 
+def _any(x, axis=None):
+    """Boolean any as an int max (axis=None: one axis at a time, which the Triton lowering takes)."""
+    y = jnp.where(x, 1, 0)
+    if axis is None:
+        while y.ndim:
+            y = jnp.max(y, axis=-1)
+        return y > 0
+    return jnp.max(y, axis=axis) > 0
+
+
 def _kernel(*refs, sp: _Spec):
     it = iter(refs)
-    q_ref, t_ref, meta_ref, k_ref, v_ref = (next(it) for _ in range(5))
-    bl_ref, mem_ref = (next(it), next(it)) if sp.slc else (None, None)
+    q_ref, qpos_ref, kvlen_ref, sel_ref, k_ref, v_ref = (next(it) for _ in range(6))
     if sp.extra:
         ek_ref, ev_ref, epos_ref, xm_ref = (next(it) for _ in range(4))
         xs_ref = next(it) if sp.slc else None
@@ -73,8 +86,15 @@ def _kernel(*refs, sp: _Spec):
     split = pl.program_id(2)
     first = split == 0
     q = q_ref[...]
-    t = t_ref[...][:, None]  # [Mp, 1]
-    kvlen = meta_ref[groups.M_KVLEN]
+    kvlen = kvlen_ref[0]
+    # rows r = c * G + g; padding rows (r >= C*G) have position -1 and see nothing
+    r = jnp.arange(sp.mp, dtype=jnp.int32)
+    row_ok = r < sp.c * sp.g
+    onehot = ((r // sp.g)[:, None] == jnp.arange(sp.c, dtype=jnp.int32)[None, :]) & row_ok[:, None]  # [Mp, C]
+    t1 = jnp.where(row_ok, jnp.sum(jnp.where(onehot, qpos_ref[...][None, :], 0), axis=1), -1)
+    t = t1[:, None]  # [Mp, 1]
+    tmax = jnp.max(t1)
+    tmin = jnp.min(jnp.where(row_ok, t1, 2 ** 30))
     ar = jnp.arange(sp.ls, dtype=jnp.int32)[None, :]
     states = []
 
@@ -83,9 +103,11 @@ def _kernel(*refs, sp: _Spec):
         lo = split * per
         return lo, jnp.minimum(count, lo + per)
 
-    if sp.cmp:  # compressed branch (reuse layer: never split)
+    if sp.cmp:  # compressed branch
         cb = sp.cb
         arc = jnp.arange(cb, dtype=jnp.int32)[None, :]
+        seen = jnp.minimum(tmax + 1, kvlen)  # keys any row of the group may see
+        nvis = jnp.where(seen >= sp.cmp_len, (seen - sp.cmp_len) // sp.cmp_stride + 1, 0)
 
         def cmp_body(i, st):
             c0 = pl.multiple_of(i * cb, cb)
@@ -93,27 +115,42 @@ def _kernel(*refs, sp: _Spec):
             valid = (end <= t) & (end < kvlen)
             return update(st, scores(q, kc_ref[pl.ds(c0, cb), :], sp.scale), valid, vc_ref[pl.ds(c0, cb), :])[0]
 
-        st = jax.lax.fori_loop(0, meta_ref[groups.M_CMPCHUNKS], cmp_body, init_state(sp.mp, sp.d))
+        st = jax.lax.fori_loop(*span((nvis + cb - 1) // cb), cmp_body, init_state(sp.mp, sp.d))
         if sp.xcmp:
-            st = update(st, scores(q, eck_ref[...], sp.scale), xc_ref[...] != 0, ecv_ref[...])[0]
+            st = update(st, scores(q, eck_ref[...], sp.scale), (xc_ref[...] != 0) & first, ecv_ref[...])[0]
         states.append(st)
 
-    if sp.slc:  # selected branch over the group's merged block list
-        def slc_body(i, st):
-            start = pl.multiple_of(bl_ref[i] * sp.ls, sp.ls)
-            pos = start + ar
-            valid = (mem_ref[i, :] != 0)[:, None] & (pos <= t) & (pos < kvlen)
-            s = scores(q, k_ref[pl.ds(start, sp.ls), :], sp.scale)
-            return update(st, s, valid, v_ref[pl.ds(start, sp.ls), :])[0]
+    if sp.slc:  # selected branch: the union of the group's blocks, each row masked to its own query's blocks
+        selt = sel_ref[...]  # [C, n]
+        flat = jnp.arange(sp.c, dtype=jnp.int32)[:, None] * sp.n + jnp.arange(sp.n, dtype=jnp.int32)[None, :]
 
-        lo, hi = span(meta_ref[groups.M_SELCNT])
-        st = jax.lax.fori_loop(lo, hi, slc_body, init_state(sp.mp, sp.d))
+        def slc_body(e, st):
+            blk = sel_ref[e // sp.n, e % sp.n]
+            skip = (blk < 0) | _any((selt == blk) & (flat < e))  # empty slot, or already walked
+
+            def visit(st):
+                start = pl.multiple_of(blk * sp.ls, sp.ls)
+                pos = start + ar
+                if sp.shared:
+                    member = row_ok
+                else:
+                    member = _any(onehot & _any(selt == blk, axis=1)[None, :], axis=1)
+                valid = member[:, None] & (pos <= t) & (pos < kvlen)
+                s = scores(q, k_ref[pl.ds(start, sp.ls), :], sp.scale)
+                return update(st, s, valid, v_ref[pl.ds(start, sp.ls), :])[0]
+
+            return jax.lax.cond(skip, lambda st: st, visit, st)
+
+        # mode B walks the first query's blocks only
+        st = jax.lax.fori_loop(*span(sp.n if sp.shared else sp.c * sp.n), slc_body, init_state(sp.mp, sp.d))
         if sp.extra:
             st = update(st, scores(q, ek_ref[...], sp.scale), (xs_ref[...] != 0) & first, ev_ref[...])[0]
         states.append(st)
 
     if sp.win:  # window branch over the group's window chunks
-        w0 = meta_ref[groups.M_WSTART]
+        w0 = jnp.maximum(tmin - sp.window + 1, 0) // sp.ls
+        last = jnp.minimum(tmax, kvlen - 1)
+        wcnt = jnp.maximum(jnp.where(last >= 0, last // sp.ls, -1) - w0 + 1, 0)
 
         def win_body(i, st):
             start = pl.multiple_of((w0 + i) * sp.ls, sp.ls)
@@ -122,8 +159,7 @@ def _kernel(*refs, sp: _Spec):
             s = scores(q, k_ref[pl.ds(start, sp.ls), :], sp.scale)
             return update(st, s, valid, v_ref[pl.ds(start, sp.ls), :])[0]
 
-        lo, hi = span(meta_ref[groups.M_WCNT])
-        st = jax.lax.fori_loop(lo, hi, win_body, init_state(sp.mp, sp.d))
+        st = jax.lax.fori_loop(*span(wcnt), win_body, init_state(sp.mp, sp.d))
         if sp.extra:
             valid = (xm_ref[...] != 0) & (epos_ref[...][None, :] > t - sp.window) & first
             st = update(st, scores(q, ek_ref[...], sp.scale), valid, ev_ref[...])[0]
@@ -141,15 +177,15 @@ def _kernel(*refs, sp: _Spec):
 
 
 def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
-               group_size: int, slc: bool = True, win: bool = False, kc=None, vc=None, gates=None,
-               nsplit: int | None = None, interpret: bool = False, num_warps: int = 4, num_stages: int = 2,
-               name: str = "grouped_verify"):
-    """Launches the grouped kernel for the chosen branches.
+               group_size: int, shared: bool = False, slc: bool = True, win: bool = False, kc=None, vc=None,
+               gates=None, nsplit: int | None = None, interpret: bool = False, num_warps: int = 4,
+               num_stages: int = 3, name: str = "grouped_verify"):
+    """Launches the grouped kernel for the chosen branches; `shared=True` is mode B (the group's first query's
+    blocks for every query), else mode A.
 
-    With `gates` [B, Q, Hq, 3] the launch is unsplit and returns the gated sum of its branches (compressed when
-    `kc`/`vc` are given, selected, window) in q's dtype. Without gates it returns the fp32 branch outputs
-    [B, Q, Hq, D] in the order (selected, window), combined over the splits.
-    `sel` [B, Q, Hkv, n] must already be the effective selection (mode B shared by the caller)."""
+    With `gates` [B, Q, Hq, 3] and one split, the single launch returns the gated sum of its branches
+    (compressed when `kc`/`vc` are given, selected, window) in q's dtype. Otherwise it returns the fp32 branch
+    outputs [B, Q, Hq, D] in the order (compressed, selected, window), LSE-combined over the splits in XLA."""
     B, Q, Hq, D = q.shape
     S, H = k.shape[1], k.shape[2]
     G = Hq // H
@@ -160,36 +196,33 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
     mp = next_pow2(c * G)
     ng = Q // c
     has_cmp = kc is not None
-    cb = dividing_chunk(kc.shape[1], "number of compressed blocks Nc") if has_cmp else 16
-    plan = groups.group_plan(sel, q_pos, kv_len, cfg, c, G, mp, n_cmp_chunk=cb if has_cmp else None)
+    cb = dividing_chunk(kc.shape[1], "number of compressed blocks Nc", cap=128) if has_cmp else 16
     has_x = extra is not None and extra.k.shape[1] > 0
     has_xc = has_cmp and extra is not None and extra.ck.shape[1] > 0
-    gated = gates is not None
-    if gated or has_cmp:
-        nsplit = 1
-    elif nsplit is None:
-        nsplit = split_count(B * H * ng, c * cfg.n_slc)
-    sp = _Spec(mp=mp, d=D, ls=cfg.slc_block, window=cfg.window, cmp_len=cfg.cmp_len, cmp_stride=cfg.cmp_stride,
-               cb=cb, nsplit=int(nsplit), slc=slc, win=win, cmp=has_cmp, extra=has_x, xcmp=has_xc, gated=gated)
+    if nsplit is None:
+        nsplit = 1 if (gates is not None or has_cmp) else split_count(B * H * ng, c * cfg.n_slc)
+    gated = gates is not None and nsplit == 1
+    sp = _Spec(c=c, g=G, n=cfg.n_slc, mp=mp, d=D, ls=cfg.slc_block, window=cfg.window, cmp_len=cfg.cmp_len,
+               cmp_stride=cfg.cmp_stride, cb=cb, nsplit=int(nsplit), shared=shared, slc=slc, win=win,
+               cmp=has_cmp, extra=has_x, xcmp=has_xc, gated=gated)
 
     bh = lambda i: (i // H, i % H)  # noqa: E731
     row = pl.BlockSpec((None, None, None, mp, D), lambda i, g, s: (*bh(i), g, 0, 0))
-    trow = pl.BlockSpec((None, None, mp), lambda i, g, s: (i // H, g, 0))
     cache = lambda n: pl.BlockSpec((None, n, None, D), lambda i, g, s: (i // H, 0, i % H, 0))  # noqa: E731
     per_group = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
                                             lambda i, g, s: (*bh(i), g) + (0,) * len(shape))
     per_bgroup = lambda *shape: pl.BlockSpec((None, None) + shape,  # noqa: E731
                                              lambda i, g, s: (i // H, g) + (0,) * len(shape))
-    args = [rows_of(q, H, c, mp), plan.t, plan.meta, k, v]
-    specs = [row, trow, per_group(groups.META), cache(S), cache(S)]
-    if slc:
-        u = plan.blocks.shape[-1]
-        args += [plan.blocks, plan.member]
-        specs += [per_group(u), per_group(u, mp)]
+    args = [rows_of(q, H, c, mp), q_pos.astype(jnp.int32), kv_len.astype(jnp.int32)[:, None],
+            sel.astype(jnp.int32), k, v]
+    specs = [row, pl.BlockSpec((None, c), lambda i, g, s: (i // H, g)),
+             pl.BlockSpec((None, 1), lambda i, g, s: (i // H, 0)),
+             pl.BlockSpec((None, c, None, cfg.n_slc), lambda i, g, s: (i // H, g, i % H, 0)), cache(S), cache(S)]
     if has_x:
         ep = next_pow2(extra.k.shape[1])
+        sel_eff = groups.shared_selection(sel, c) if shared else sel
         xk, xv, xpos, xmask, xsel, xck, xcv, xcm = groups.extra_rows(
-            extra, sel, cfg, c, G, mp, ep, next_pow2(extra.ck.shape[1]))
+            extra, sel_eff, cfg, c, G, mp, ep, next_pow2(extra.ck.shape[1]))
         args += [xk, xv, xpos, xmask]
         specs += [cache(ep), cache(ep), pl.BlockSpec((None, ep), lambda i, g, s: (i // H, 0)), per_bgroup(mp, ep)]
         if slc:
@@ -236,14 +269,14 @@ def effective_selection(sel: jax.Array, mode: str, group_size: int) -> jax.Array
 
 def grouped_verify(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
                    mode: str = "A", group_size: int = 4, window: bool = False, nsplit: int | None = None,
-                   interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+                   interpret: bool = False, num_warps: int = 4, num_stages: int = 3):
     """Selected-branch attention of Q queries grouped C = `group_size` at a time (mode "A" exact merge, "B"
     shared index). Same arguments as `nsa.selected_branch` (plus mode and tuning knobs); returns the fp32
     selected-branch output [B, Q, Hq, D], or (selected, window) outputs with `window=True`.
 
     Mode "A" equals `nsa.selected_branch(..., sel)`; mode "B" equals it with `groups.shared_selection(sel, C)`."""
-    check_group_size(group_size, q.shape[1], q.shape[2] // k.shape[2])
-    sel_eff = effective_selection(sel, mode, group_size)
-    out = fused_call(q, q_pos, k, v, kv_len, sel_eff, cfg, extra, group_size=group_size, slc=True, win=window,
-                     nsplit=nsplit, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    effective_selection(sel, mode, group_size)  # validates mode
+    out = fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, group_size=group_size, shared=mode == "B",
+                     slc=True, win=window, nsplit=nsplit, interpret=interpret, num_warps=num_warps,
+                     num_stages=num_stages)
     return out if window else out[0]

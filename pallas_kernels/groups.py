@@ -1,14 +1,13 @@
-"""Wrapper-side index work for grouped verification (DESIGN.md, "Kernels"): groups of C consecutive flattened
-queries, each group's merged selected-block list (sorted, unique, padded, with a count), the per-(row, block)
-membership, the window chunk range and the per-row visibility of the in-tree (extra) keys.
+"""Index work for grouped verification (DESIGN.md, "Kernels") on groups of C consecutive flattened queries:
+the mode-B shared selection, each group's merged block list (sorted, unique, padded, with a count; the kernel
+itself walks the group's C x n index tile skipping repeats, so this list feeds the overlap statistics and byte
+counts) and the per-row visibility of the in-tree (extra) keys.
 
 Everything here is index bookkeeping on [B, Q, Hkv, n] selections; the attention math is in the kernels and the
 reference in `ssv_jax.nsa`.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,23 +18,6 @@ from ssv_jax.config import ModelConfig
 from ._common import pad_axis, query_rows
 
 _BIG = 2 ** 30
-META = 8  # per-(batch, KV head, group) int32 scalars, see `GroupPlan.meta`
-M_KVLEN, M_SELCNT, M_WSTART, M_WCNT, M_CMPCHUNKS = range(5)
-
-
-class GroupPlan(NamedTuple):
-    """Per-group kernel inputs.
-
-    `blocks` [B, Hkv, NG, U]: the merged block ids, ascending, valid in the first `meta[..., M_SELCNT]` slots
-    (0 after). `member` [B, Hkv, NG, U, Mp] int32: row r of the group selects merged block u.
-    `t` [B, NG, Mp]: each row's query position (-1 for padding rows, which see nothing).
-    `meta` [B, Hkv, NG, 8] int32: kv_len, merged count, first window chunk, window chunk count, compressed chunks
-    to visit."""
-
-    blocks: jax.Array
-    member: jax.Array
-    t: jax.Array
-    meta: jax.Array
 
 
 def shared_selection(sel: jax.Array, group_size: int) -> jax.Array:
@@ -54,38 +36,6 @@ def merged_blocks(sel: jax.Array, group_size: int):
     first = jnp.concatenate([jnp.ones_like(s1[..., :1], bool), s1[..., 1:] != s1[..., :-1]], -1) & (s1 < _BIG)
     s2 = jnp.sort(jnp.where(first, s1, _BIG), axis=-1)
     return jnp.where(s2 < _BIG, s2, 0).astype(jnp.int32), jnp.sum(first, -1).astype(jnp.int32)
-
-
-def group_plan(sel, q_pos, kv_len, cfg: ModelConfig, group_size: int, g: int, mp: int,
-               n_cmp_chunk: int | None = None) -> GroupPlan:
-    """Builds the `GroupPlan` for selections `sel` [B, Q, Hkv, n] (already mode-B-shared if wanted).
-
-    `n_cmp_chunk`: chunk size of the compressed keys when a kernel walks them (reuse layer), else None."""
-    B, Q, H, n = sel.shape
-    c, ng = group_size, Q // group_size
-    blocks, count = merged_blocks(sel, c)
-    t = query_rows(q_pos.astype(jnp.int32), c, g, mp, fill=-1)  # [B, NG, Mp]
-    # membership: row r = (query c, head g) selects merged block u
-    srows = jnp.moveaxis(query_rows(sel, c, g, mp, fill=-1), 3, 1)  # [B, Hkv, NG, Mp, n]
-    member = jnp.any(srows[:, :, :, None, :, :] == blocks[..., :, None, None], -1)
-    member = member & (jnp.arange(blocks.shape[-1]) < count[..., None])[..., None]
-    # window chunk range of the group (chunks of l' keys)
-    ls, w = cfg.slc_block, cfg.window
-    qg = q_pos.reshape(B, ng, c).astype(jnp.int32)
-    kl = kv_len.astype(jnp.int32)[:, None]
-    wstart = jnp.maximum(jnp.min(qg, -1) - w + 1, 0) // ls
-    wend = jnp.floor_divide(jnp.minimum(jnp.max(qg, -1), kl - 1), ls)
-    wcnt = jnp.maximum(wend - wstart + 1, 0)
-    zeros = jnp.zeros((B, ng), jnp.int32)
-    if n_cmp_chunk is not None:
-        nvis = nsa.num_complete_blocks(jnp.minimum(jnp.max(qg, -1) + 1, kl), cfg)
-        cmp_chunks = -(-nvis // n_cmp_chunk)
-    else:
-        cmp_chunks = zeros
-    meta = jnp.stack([jnp.broadcast_to(kl, (B, ng)), zeros, wstart, wcnt, cmp_chunks] + [zeros] * (META - 5), -1)
-    meta = jnp.broadcast_to(meta[:, None], (B, H, ng, META)).astype(jnp.int32)
-    meta = meta.at[..., M_SELCNT].set(count)
-    return GroupPlan(blocks, member.astype(jnp.int32), t, meta)
 
 
 def extra_rows(extra: nsa.Extra, sel, cfg: ModelConfig, group_size: int, g: int, mp: int, ep: int, ecp: int):

@@ -24,15 +24,15 @@ def route_from_kernel(q, q_pos, kc, vc, kv_len, k_len: int, cfg: ModelConfig, ex
 
 def selected_and_window(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra=None, *, mode: str = "A",
                         group_size: int = 4, nsplit: int | None = None, interpret: bool = False):
-    """(o_slc, o_win) fp32 for an effective selection: the naive per-query kernel plus a C=1 window launch in
-    mode "naive", else one grouped launch for both branches."""
+    """(o_slc, o_win) fp32 for the routed `sel`: the naive per-query kernel plus a C=1 window launch in mode
+    "naive", else one grouped launch for both branches (mode "B" shares each group's first query's blocks)."""
     if mode == "naive":
         o_slc = naive_verify(q, q_pos, k, v, kv_len, sel, cfg, extra, interpret=interpret)
         (o_win,) = fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, group_size=1, slc=False, win=True,
                               interpret=interpret, name="window_verify")
         return o_slc, o_win
-    return fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, group_size=group_size, slc=True, win=True,
-                      nsplit=nsplit, interpret=interpret)
+    return fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, group_size=group_size, shared=mode == "B",
+                      slc=True, win=True, nsplit=nsplit, interpret=interpret)
 
 
 def refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
@@ -43,7 +43,6 @@ def refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, extra
     if mode != "naive":
         check_group_size(group_size, q.shape[1], q.shape[2] // k.shape[2])
     o_cmp, sel = route_from_kernel(q, q_pos, kc, vc, kv_len, k.shape[1], cfg, extra, interpret=interpret)
-    sel = effective_selection(sel, mode, group_size)
     o_slc, o_win = selected_and_window(q, q_pos, k, v, kv_len, sel, cfg, extra, mode=mode, group_size=group_size,
                                        nsplit=nsplit, interpret=interpret)
-    return gate(gates, o_cmp, o_slc, o_win, q.dtype), sel
+    return gate(gates, o_cmp, o_slc, o_win, q.dtype), effective_selection(sel, mode, group_size)

@@ -1,6 +1,9 @@
 """Reuse-layer kernel (issue #3 item 4): ONE launch computes the compressed branch (committed plus per-path
 compressed blocks), the selected branch with the inherited indices (grouped, mode A or B) and the window branch,
 keeps three online-softmax states and writes only the gated output. Reference: `nsa.nsa_attention(..., sel=sel)`.
+
+`nsplit > 1` is a measured alternative, not the fused kernel: the same launch split over the key work of each
+branch across programs, then an XLA LSE combine and the gates (more programs, one more pass over small partials).
 """
 
 from __future__ import annotations
@@ -8,18 +11,20 @@ from __future__ import annotations
 from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
-from ._common import check_group_size
+from ._common import check_group_size, gate
 from .grouped_verify import effective_selection, fused_call
 
 
 def reuse_layer(q, q_pos, gates, k, v, kc, vc, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
-                mode: str = "A", group_size: int = 4, interpret: bool = False, num_warps: int = 4,
-                num_stages: int = 2):
+                mode: str = "A", group_size: int = 4, nsplit: int = 1, interpret: bool = False,
+                num_warps: int = 4, num_stages: int = 3):
     """Gated NSA attention of a reuse layer with inherited `sel` [B, Q, Hkv, n]. Returns (o in q's dtype, the
     effective selection: `sel` in mode "A", the group-shared one in mode "B")."""
     check_group_size(group_size, q.shape[1], q.shape[2] // k.shape[2])
-    sel = effective_selection(sel, mode, group_size)
-    o = fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, group_size=group_size, slc=True, win=True, kc=kc,
-                   vc=vc, gates=gates, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-                   name="reuse_layer")
-    return o, sel
+    sel_eff = effective_selection(sel, mode, group_size)
+    kw = dict(group_size=group_size, shared=mode == "B", slc=True, win=True, kc=kc, vc=vc, gates=gates,
+              nsplit=nsplit, interpret=interpret, num_warps=num_warps, num_stages=num_stages, name="reuse_layer")
+    o = fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, **kw)
+    if nsplit > 1:
+        o = gate(gates, *o, q.dtype)
+    return o, sel_eff

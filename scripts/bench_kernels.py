@@ -1,0 +1,355 @@
+"""Kernel benchmark on the GPU (issue #3 item 7): writes docs/results/kernels_h200.json.
+
+    python scripts/bench_kernels.py --out docs/results/kernels_h200.json        # full (pruned) sweep
+    python scripts/bench_kernels.py --smoke --out $OUT/smoke.json               # GPU correctness + a few timings
+    python scripts/bench_kernels.py --lower-only                                # CPU: lower every config for CUDA
+
+llama31-8b-nsa layer shapes (Hq=32, Hkv=8, D=128, l=32, d=16, l'=64, n=16, w=512), bf16, B=1, committed context T,
+queries at T + depth (depth 0..5 spread over the flattened order; Q=4 is a chain), synthetic selections with the
+forced blocks and a controlled adjacent overlap gamma (`pallas_kernels.overlap.synthetic_selection`), no in-tree
+extra keys. Kernels per point: XLA reference of the selected branch, naive per-query, grouped A, grouped B, the
+complete refresh layer (cmp + routing + selected + window + gates) and the one-launch reuse layer; plus the XLA
+reference of the whole layer at the Q=16 points. fla's `parallel_nsa_fwd` runs at fla's shape (HQ=64, H=4) next to
+our grouped kernel on the same data (torch + DLPack).
+
+Timing: N calls inside one jit (`lax.fori_loop` over R rotated (q, sel, q_pos, gates) sets, so L2 does not keep
+one set's blocks), host wall clock around `block_until_ready`, median of repeats, minus the same loop with an
+empty body (the rotation slicing), divided by N. fla: CUDA events around N calls over rotated index sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from ssv_jax import nsa  # noqa: E402
+from ssv_jax.config import get_config  # noqa: E402
+
+from pallas_kernels import (compressed_attention, effective_selection, grouped_verify, route_from_kernel,
+                            selected_and_window, merged_sizes, naive_verify, overlap_gamma,  # noqa: E402
+                            refresh_layer, reuse_layer, synthetic_selection)
+
+COPY_GBPS = 4300.0
+R = 8  # rotated input sets
+DT = jnp.bfloat16
+
+
+def positions(T: int, Q: int) -> np.ndarray:
+    """Query positions T + depth: a chain for Q <= 4, else depths 0..5 over the flattened (BFS-like) order."""
+    depth = np.arange(Q) if Q <= 4 else (np.arange(Q) * 6) // Q
+    return (T + depth)[None].astype(np.int32)
+
+
+class Point:
+    """Inputs of one (T, Q, gamma) point: a cache, compressed cache, and R rotated (q, sel, q_pos, gates)."""
+
+    def __init__(self, cfg, T: int, Q: int, gamma: float, seed: int = 0):
+        self.cfg, self.T, self.Q, self.gamma = cfg, T, Q, gamma
+        H, Hq, D = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
+        self.S = T + 1024
+        ks = jax.random.split(jax.random.key(seed), 4)
+        self.k = jax.random.normal(ks[0], (1, self.S, H, D), DT)
+        self.v = jax.random.normal(ks[1], (1, self.S, H, D), DT)
+        self.kc = jax.jit(lambda x: nsa.compress_all(x, cfg))(self.k)
+        self.vc = jax.jit(lambda x: nsa.compress_all(x, cfg))(self.v)
+        self.kv_len = jnp.full((1,), T, jnp.int32)
+        pos = positions(T, Q)
+        self.q_pos = jnp.asarray(np.stack([pos] * R))
+        self.q = jax.random.normal(ks[2], (R, 1, Q, Hq, D), DT)
+        self.gates = jax.nn.sigmoid(jax.random.normal(ks[3], (R, 1, Q, Hq, 3))).astype(DT)
+        sels = [synthetic_selection(seed * 100 + r, pos, H, self.S // cfg.slc_block, cfg.n_slc, cfg.slc_block,
+                                    gamma) for r in range(R)]
+        self.sel = jnp.asarray(np.stack(sels))
+
+    def bytes_sel(self, group_size: int):
+        """(globally unique, per-group unique) bytes of the selected branch: K+V of the blocks, q in, o out."""
+        blk = self.cfg.slc_block * self.cfg.head_dim * 2 * 2
+        qo = 2 * self.q[0].size * 2
+        sel = self.sel[0]
+        uniq = int(merged_sizes(sel, self.Q).sum())
+        per_group = int(merged_sizes(sel, group_size).sum())
+        return uniq * blk + qo, per_group * blk + qo
+
+    def bytes_layer(self):
+        """Unique bytes of a whole layer: selected + window blocks, visible compressed K/V, q, gates, o."""
+        cfg = self.cfg
+        H, D = cfg.n_kv_heads, cfg.head_dim
+        sel_u, _ = self.bytes_sel(self.Q)
+        win = H * (cfg.window + self.Q) * D * 2 * 2
+        cmp_ = H * int(nsa.num_complete_blocks(jnp.int32(self.T), cfg)) * D * 2 * 2
+        return sel_u + win + cmp_ + self.gates[0].size * 2
+
+
+def time_loop(fn, static_args, rot_args, n: int = 100, repeats: int = 5):
+    """Median µs per call of fn(*rot_args[i % R], *static_args) run n times inside one jit, minus the empty loop."""
+    def make(body):
+        @jax.jit
+        def loop(static, rot):
+            def step(i, carry):
+                cur = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i % R, keepdims=False), rot)
+                return body(cur, static)
+            init = jax.eval_shape(lambda: body(jax.tree.map(lambda x: x[0], rot), static))
+            init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), init)
+            return jax.lax.fori_loop(0, n, step, init)
+        return loop
+
+    def measure(loop):
+        jax.block_until_ready(loop(static_args, rot_args))  # compile + warm up
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(loop(static_args, rot_args))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) / n * 1e6
+
+    full = measure(make(lambda cur, st: fn(*cur, *st)))
+    empty = measure(make(lambda cur, st: cur[0]))
+    return full - empty, full, empty
+
+
+def count_launches(fn, *args):
+    """(Pallas launches, all kernel-like ops) in the compiled HLO of one call."""
+    txt = jax.jit(fn).lower(*args).compile().as_text()
+    entry = txt[txt.index("ENTRY"):]
+    pallas = entry.count("__gpu$xla.gpu.triton")
+    ops = sum(entry.count(f" {op}(") for op in ("fusion", "custom-call", "sort", "copy", "gather", "scatter"))
+    return pallas, ops
+
+
+def kernels(cfg, group_size: int):
+    """name -> (fn(q, sel, q_pos, gates, k, v, kc, vc, kv_len), what it computes)."""
+    C = group_size
+    return {
+        "xla_ref_selected": lambda q, s, t, g, k, v, kc, vc, kl: nsa.selected_branch(q, t, k, v, kl, s, cfg),
+        "naive": lambda q, s, t, g, k, v, kc, vc, kl: naive_verify(q, t, k, v, kl, s, cfg),
+        "grouped_A": lambda q, s, t, g, k, v, kc, vc, kl: grouped_verify(q, t, k, v, kl, s, cfg, mode="A",
+                                                                         group_size=C),
+        "grouped_B": lambda q, s, t, g, k, v, kc, vc, kl: grouped_verify(q, t, k, v, kl, s, cfg, mode="B",
+                                                                         group_size=C),
+        "refresh_layer": lambda q, s, t, g, k, v, kc, vc, kl: refresh_layer(q, t, g, k, v, kc, vc, kl, cfg,
+                                                                            mode="A", group_size=C)[0],
+        "reuse_layer": lambda q, s, t, g, k, v, kc, vc, kl: reuse_layer(q, t, g, k, v, kc, vc, kl, s, cfg,
+                                                                        mode="A", group_size=C)[0],
+        "reuse_layer_split4": lambda q, s, t, g, k, v, kc, vc, kl: reuse_layer(
+            q, t, g, k, v, kc, vc, kl, s, cfg, mode="A", group_size=C, nsplit=4)[0],
+        "refresh_part_cmp_route": lambda q, s, t, g, k, v, kc, vc, kl: route_from_kernel(
+            q, t, kc, vc, kl, k.shape[1], cfg),
+        "refresh_part_cmp_kernel": lambda q, s, t, g, k, v, kc, vc, kl: compressed_attention(
+            q, t, kc, vc, kl, cfg)[:2],
+        "refresh_part_slc_win": lambda q, s, t, g, k, v, kc, vc, kl: selected_and_window(
+            q, t, k, v, kl, s, cfg, mode="A", group_size=C),
+        "xla_ref_layer": lambda q, s, t, g, k, v, kc, vc, kl: nsa.nsa_attention(q, t, g, k, v, kc, vc, kl, cfg)[0],
+    }
+
+
+def bench_point(p: Point, group_size: int, names, n: int, rows: list, log):
+    ks = kernels(p.cfg, group_size)
+    rot = (p.q, p.sel, p.q_pos, p.gates)
+    static = (p.k, p.v, p.kc, p.vc, p.kv_len)
+    b_glob, b_group = p.bytes_sel(group_size)
+    b_layer = p.bytes_layer()
+    gam = float(jnp.mean(overlap_gamma(p.sel[0])))
+    for name in names:
+        fn = ks[name]
+        try:
+            us, raw, empty = time_loop(fn, static, rot, n=n)
+            one = tuple(x[0] for x in rot) + static
+            launches = count_launches(fn, *one)
+        except Exception as e:  # noqa: BLE001 - record the failure in the JSON and go on
+            rows.append(dict(T=p.T, Q=p.Q, C=group_size, gamma=p.gamma, kernel=name, error=repr(e)[:400]))
+            log(f"{name:18s} T={p.T:6d} Q={p.Q:3d} C={group_size} ERROR {repr(e)[:200]}")
+            continue
+        layer = name.startswith(("refresh", "reuse", "xla_ref_layer"))
+        byts = b_layer if layer else b_glob
+        row = dict(T=p.T, Q=p.Q, C=group_size, gamma=p.gamma, gamma_measured=round(gam, 3), kernel=name,
+                   us=round(us, 2), us_loop=round(raw, 2), us_empty_loop=round(empty, 2), unique_bytes=byts,
+                   GBps=round(byts / us / 1e3, 1), pct_of_copy_ceiling=round(100 * byts / us / 1e3 / COPY_GBPS, 1),
+                   floor_us=round(byts / COPY_GBPS / 1e3, 2), pallas_launches=launches[0], hlo_kernel_ops=launches[1])
+        if not layer:
+            row.update(per_group_unique_bytes=b_group, per_group_floor_us=round(b_group / COPY_GBPS / 1e3, 2))
+        rows.append(row)
+        log(f"{name:18s} T={p.T:6d} Q={p.Q:3d} C={group_size} g={p.gamma:.2f} {us:8.2f} us  "
+            f"{row['GBps']:7.1f} GB/s  floor {row['floor_us']:6.2f} us  launches {launches}")
+
+
+def check_correctness(cfg, T: int, Q: int, log) -> dict:
+    """bf16 rel-RMS of every kernel against the XLA reference on the GPU, and the routing agreement."""
+    p = Point(cfg, T, Q, 0.75, seed=7)
+    q, s, t, g = (x[0] for x in (p.q, p.sel, p.q_pos, p.gates))
+    a = (p.k, p.v, p.kc, p.vc, p.kv_len)
+    rel = lambda x, y: float(jnp.sqrt(jnp.mean((x.astype(jnp.float32) - y.astype(jnp.float32)) ** 2)  # noqa
+                                      / jnp.mean(y.astype(jnp.float32) ** 2)))
+    ks = kernels(cfg, 4)
+    ref_sel = jax.jit(ks["xla_ref_selected"])(q, s, t, g, *a)
+    out = {}
+    for name in ("naive", "grouped_A"):
+        out[name] = rel(jax.jit(ks[name])(q, s, t, g, *a), ref_sel)
+    sB = effective_selection(s, "B", 4)
+    out["grouped_B_vs_ref_on_shared_sel"] = rel(jax.jit(ks["grouped_B"])(q, s, t, g, *a),
+                                                jax.jit(ks["xla_ref_selected"])(q, sB, t, g, *a))
+    ref_o, ref_s = jax.jit(lambda *x: nsa.nsa_attention(*x, cfg))(q, t, g, p.k, p.v, p.kc, p.vc, p.kv_len)
+    o, s2 = jax.jit(lambda *x: refresh_layer(*x, cfg, mode="A", group_size=4))(q, t, g, p.k, p.v, p.kc, p.vc,
+                                                                               p.kv_len)
+    out["refresh_layer"] = rel(o, ref_o)
+    out["refresh_sel_agreement"] = float(jnp.mean(s2 == ref_s))
+    ref_u, _ = jax.jit(lambda *x: nsa.nsa_attention(*x[:-1], cfg, sel=x[-1]))(q, t, g, *a, s)
+    out["reuse_layer"] = rel(jax.jit(ks["reuse_layer"])(q, s, t, g, *a), ref_u)
+    log(f"correctness T={T} Q={Q}: {out}")
+    return {"T": T, "Q": Q, **out}
+
+
+def bench_fla(T: int, n: int, log) -> dict:
+    """fla's parallel_nsa_fwd vs our grouped A at fla's shape (HQ=64, H=4, D=128, n=16, l'=64, TQ=16)."""
+    cfg = get_config("llama31-8b-nsa").replace(n_heads=64, n_kv_heads=4)
+    TQ, H = 16, 4
+    res = {"shape": dict(HQ=64, H=4, D=128, n=16, block=64, TQ=TQ, T=T, gamma=0.75)}
+    pos = (T - TQ + np.arange(TQ))[None].astype(np.int32)  # fla: the queries are the last TQ tokens
+    ks = jax.random.split(jax.random.key(3), 3)
+    k = jax.random.normal(ks[0], (1, T, H, 128), DT)
+    v = jax.random.normal(ks[1], (1, T, H, 128), DT)
+    q = jax.random.normal(ks[2], (R, 1, TQ, 64, 128), DT)
+    sel = jnp.asarray(np.stack([synthetic_selection(50 + r, pos, H, T // 64, 16, 64, 0.75) for r in range(R)]))
+    qp = jnp.asarray(np.stack([pos] * R))
+    kl = jnp.full((1,), T, jnp.int32)
+    for C in (1, 4, 16):
+        f = lambda q, s, t, k, v, kl, C=C: grouped_verify(q, t, k, v, kl, s, cfg, mode="A", group_size=C)  # noqa
+        res[f"ours_grouped_A_C{C}_us"] = round(time_loop(f, (k, v, kl), (q, sel, qp), n=n)[0], 2)
+    f = lambda q, s, t, k, v, kl: naive_verify(q, t, k, v, kl, s, cfg)  # noqa: E731
+    res["ours_naive_us"] = round(time_loop(f, (k, v, kl), (q, sel, qp), n=n)[0], 2)
+    try:
+        import torch
+        from fla.ops.nsa.parallel import parallel_nsa_fwd
+        tk, tv = torch.from_dlpack(k), torch.from_dlpack(v)
+        tq = [torch.from_dlpack(q[r]) for r in range(R)]
+        ts = [torch.from_dlpack(sel[r]).long() for r in range(R)]
+        o_fla, _ = parallel_nsa_fwd(tq[0], tk, tv, ts[0], 16, 64, 128 ** -0.5)  # autotune + warm up
+        ours = grouped_verify(q[0], qp[0], k, v, kl, sel[0], cfg, mode="A", group_size=4)
+        of = jnp.asarray(o_fla.float().cpu().numpy())
+        res["rel_rms_ours_vs_fla"] = float(jnp.sqrt(jnp.mean((ours - of) ** 2) / jnp.mean(of ** 2)))
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for i in range(n):
+                parallel_nsa_fwd(tq[i % R], tk, tv, ts[i % R], 16, 64, 128 ** -0.5)
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1) * 1e3 / n)
+        res["fla_parallel_nsa_fwd_us"] = round(statistics.median(times), 2)
+        res["speedup_ours_A_C4_vs_fla"] = round(res["fla_parallel_nsa_fwd_us"] / res["ours_grouped_A_C4_us"], 2)
+    except Exception as e:  # noqa: BLE001
+        res["fla_error"] = repr(e)[:400]
+    log(f"fla comparison: {res}")
+    return res
+
+
+def tune(p: Point, n: int, log) -> list:
+    """Grouped A / reuse layer under a few (num_warps, num_stages, nsplit) settings at one point."""
+    cfg, out = p.cfg, []
+    rot, static = (p.q, p.sel, p.q_pos, p.gates), (p.k, p.v, p.kc, p.vc, p.kv_len)
+    for nw, ns, sp in [(4, 2, None), (4, 3, None), (8, 3, None), (2, 2, None), (4, 2, 1), (4, 2, 2), (4, 2, 8)]:
+        f = lambda q, s, t, g, k, v, kc, vc, kl: grouped_verify(q, t, k, v, kl, s, cfg, group_size=4,  # noqa
+                                                                nsplit=sp, num_warps=nw, num_stages=ns)
+        out.append(dict(kernel="grouped_A", num_warps=nw, num_stages=ns, nsplit=sp,
+                        us=round(time_loop(f, static, rot, n=n)[0], 2)))
+        log(f"tune {out[-1]}")
+    for nw, ns, C in [(4, 2, 4), (4, 3, 4), (8, 3, 4), (4, 3, 1), (4, 3, 2)]:
+        f = lambda q, s, t, g, k, v, kc, vc, kl: reuse_layer(q, t, g, k, v, kc, vc, kl, s, cfg,  # noqa
+                                                             group_size=C, num_warps=nw, num_stages=ns)[0]
+        out.append(dict(kernel="reuse_layer", num_warps=nw, num_stages=ns, C=C,
+                        us=round(time_loop(f, static, rot, n=n)[0], 2)))
+        log(f"tune {out[-1]}")
+    return out
+
+
+def lower_only(cfg):
+    """Lower every benchmarked kernel for CUDA on this (CPU) machine through an abstract H100."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
+    H, Hq, D, S, T = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, 65536 + 1024, 65536
+    for Q in (4, 16, 64):
+        sds = [jax.ShapeDtypeStruct(s, d) for s, d in [
+            ((1, Q, Hq, D), DT), ((1, Q, H, cfg.n_slc), jnp.int32), ((1, Q), jnp.int32), ((1, Q, Hq, 3), DT),
+            ((1, S, H, D), DT), ((1, S, H, D), DT), ((1, S // 16, H, D), DT), ((1, S // 16, H, D), DT),
+            ((1,), jnp.int32)]]
+        for C in (1, 2, 4, 8):
+            if Q % C:
+                continue
+            for name, fn in kernels(cfg, C).items():
+                with jax.sharding.use_abstract_mesh(mesh):
+                    jax.jit(fn).trace(*sds).lower(lowering_platforms=("cuda",))
+                print(f"lowered {name} Q={Q} C={C}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/results/kernels_h200.json")
+    ap.add_argument("--smoke", action="store_true", help="correctness on the GPU plus a few timings")
+    ap.add_argument("--lower-only", action="store_true", help="lower every config for CUDA (CPU) and exit")
+    ap.add_argument("--n", type=int, default=100, help="calls per timed loop")
+    args = ap.parse_args()
+    cfg = get_config("llama31-8b-nsa")
+    if args.lower_only:
+        return lower_only(cfg)
+    t_start = time.time()
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    dev = jax.devices()[0]
+    res = {"machine": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "shape": {k: v for k, v in cfg.to_dict().items() if k in (
+               "name", "n_heads", "n_kv_heads", "head_dim", "cmp_len", "cmp_stride", "slc_block", "n_slc", "window")},
+           "dtype": "bfloat16", "batch": 1, "extra_keys": "none (no in-tree keys)",
+           "timing_method": f"N={args.n} calls inside one jit (lax.fori_loop over R={R} rotated (q, sel, q_pos, "
+                            "gates) sets), host wall clock around block_until_ready, median of 5 repeats, minus the "
+                            "same loop with an empty body (us_empty_loop), divided by N",
+           "copy_ceiling_GBps": COPY_GBPS, "rows": []}
+    res["correctness_bf16_rel_rms"] = [check_correctness(cfg, 8192, 16, log)]
+    main_names = ["xla_ref_selected", "naive", "grouped_A", "grouped_B", "refresh_layer", "reuse_layer"]
+    if args.smoke:
+        res["correctness_bf16_rel_rms"].append(check_correctness(cfg, 65536, 16, log))
+        p = Point(cfg, 65536, 16, 0.75)
+        bench_point(p, 4, main_names + ["xla_ref_layer"], args.n, res["rows"], log)
+        res["grid"] = "smoke: T=64K, Q=16, C=4, gamma=0.75"
+        res["tuning"] = tune(p, args.n, log)
+    else:
+        res["grid"] = ("pruned: T in {8K,16K,32K,64K,128K} x Q in {4,16,64} at C=4 (C=Q for Q=4 is one group), "
+                       "gamma=0.75, all six kernels (+ the XLA whole-layer reference at Q=16); the full C sweep "
+                       "{1,2,4,8} only at T=64K for Q in {16,64} (grouped A/B, reuse); the gamma sweep "
+                       "{0.5,0.75,0.9} only at T=64K, Q=16, C=4 (naive, grouped A/B)")
+        for T in (8192, 16384, 32768, 65536, 131072):
+            for Q in (4, 16, 64):
+                p = Point(cfg, T, Q, 0.75)
+                bench_point(p, 4, main_names + (["xla_ref_layer"] if Q == 16 else []), args.n, res["rows"], log)
+                if T == 65536 and Q in (16, 64):
+                    for C in (1, 2, 8):
+                        bench_point(p, C, ["grouped_A", "grouped_B", "reuse_layer"], args.n, res["rows"], log)
+                del p
+        for gam in (0.5, 0.9):
+            bench_point(Point(cfg, 65536, 16, gam), 4, ["naive", "grouped_A", "grouped_B"], args.n, res["rows"], log)
+    res["fla"] = bench_fla(65536, args.n, log)
+    res["wall_s"] = round(time.time() - t_start, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"wrote {args.out} in {res['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()
