@@ -8,6 +8,7 @@ recomputed from scratch during decode. Slot s of `k`/`v` holds the key at absolu
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -30,10 +31,12 @@ class KVCache(NamedTuple):
 
 
 def cache_capacity(cfg: ModelConfig, max_len: int | None = None) -> int:
-    """Slots needed for `max_len` tokens, rounded up to a multiple of the selection block."""
+    """Slots needed for `max_len` tokens, rounded up to a multiple of the selection block and of 16 compressed
+    blocks (the kernels walk keys and compressed keys in chunks of 16 that must divide the cache)."""
     n = cfg.max_seq_len if max_len is None else max_len
     ls = cfg.slc_block
-    cap = -(-n // ls) * ls
+    unit = math.lcm(ls, 16 * cfg.cmp_stride)
+    cap = -(-n // unit) * unit
     if cap // ls < cfg.n_slc:
         cap = cfg.n_slc * ls  # routing needs at least n selection blocks to choose from
     return cap

@@ -249,10 +249,11 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
 
 
 def prefill(params, cfg: ModelConfig, prompt, cache: kvc.KVCache, *, chunk: int = 512, schedule=None,
-            attn: AttnFn = nsa.nsa_attention, progress: bool = False):
+            attn: AttnFn = nsa.nsa_attention, progress: bool = False, on_chunk=None):
     """Chunked prefill of `prompt` [B, P] into `cache` (all rows the same length). Runs rolled layer scans (the
-    weight copy is amortised over the chunk). Returns (logits of the last prompt token [B, V], its features
-    [B, 3H], cache)."""
+    weight copy is amortised over the chunk). `on_chunk(logits, feats, start, n)` (optional) sees every chunk's
+    outputs (padded to `chunk`; the first n are real). Returns (logits of the last prompt token [B, V], its
+    features [B, 3H], cache)."""
     prompt = np.asarray(prompt)
     if prompt.ndim == 1:
         prompt = prompt[None]
@@ -277,6 +278,8 @@ def prefill(params, cfg: ModelConfig, prompt, cache: kvc.KVCache, *, chunk: int 
         lg, ft, cache = forward(params, cfg, jnp.asarray(padded, jnp.int32), cache,
                                 jnp.full((B,), n, jnp.int32), schedule=schedule, unroll=False, attn=attn,
                                 q_chunk=q_chunk)
+        if on_chunk is not None:
+            on_chunk(lg, ft, start + i * chunk, n)
         logits, feats = lg[:, n - 1], ft[:, n - 1]
     return logits, feats, cache
 

@@ -1,0 +1,180 @@
+"""The host-side adaptive planner (DESIGN.md, mechanism 3).
+
+Offline, `scripts/profile_policies.py` writes a versioned ranking JSON: per context bucket, the candidate policies
+with their accepted tokens/s, mean acceptance length tau and verify ms, plus the hardware and the prompts used.
+Online, `Planner` starts from the bucket's best policy within the user's precision class; after each chunk of
+rounds it compares the observed mean acceptance over a window with the profile's prediction and switches to the
+next-ranked policy when |tau_obs - tau_pred| > eps. Every switch is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ssv_jax.config import ModelConfig
+from ssv_jax.policy import PRECISIONS, SSVPolicy
+
+PROFILE_VERSION = 1
+BUCKETS = (8192, 16384, 32768, 65536, None)  # <=8K, <=16K, <=32K, <=64K, >64K
+DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results",
+                               "policy_profile.json")
+_CLASS_RANK = {"exact": 0, "strict": 1, "approx": 2}
+
+
+def bucket_of(context: int) -> str:
+    """The bucket key of a context length: "8K", "16K", "32K", "64K" or ">64K"."""
+    for b in BUCKETS[:-1]:
+        if context <= b:
+            return f"{b // 1024}K"
+    return ">64K"
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used (missing, corrupt, wrong version)."""
+
+
+def load_profile(path: str) -> dict:
+    """Read and validate a ranking JSON (see module docstring). Raises `ProfileError` naming the problem."""
+    if not os.path.exists(path):
+        raise ProfileError(f"policy profile {path!r} does not exist; create it with scripts/profile_policies.py")
+    try:
+        with open(path) as f:
+            prof = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ProfileError(f"policy profile {path!r} is not valid JSON: {e}") from e
+    if not isinstance(prof, dict) or prof.get("version") != PROFILE_VERSION:
+        got = prof.get("version") if isinstance(prof, dict) else type(prof).__name__
+        raise ProfileError(f"policy profile {path!r} has version {got!r}; accepted: {PROFILE_VERSION}")
+    buckets = prof.get("buckets")
+    if not isinstance(buckets, dict) or not buckets:
+        raise ProfileError(f"policy profile {path!r} has no 'buckets'; accepted: a dict bucket -> ranked list")
+    for b, rows in buckets.items():
+        for r in rows:
+            missing = {"policy", "tokens_per_s", "tau"} - set(r)
+            if missing:
+                raise ProfileError(f"policy profile {path!r}, bucket {b!r}: an entry lacks {sorted(missing)}")
+            SSVPolicy.from_dict(r["policy"])  # validates
+    return prof
+
+
+def save_profile(path: str, buckets: dict, *, hardware: str, model: str, prompts: list, extra: dict | None = None):
+    """Write a ranking JSON; each bucket's rows are sorted by tokens_per_s, best first."""
+    ranked = {b: sorted(rows, key=lambda r: -r["tokens_per_s"]) for b, rows in buckets.items()}
+    prof = dict(version=PROFILE_VERSION, hardware=hardware, model=model, created=time.strftime("%Y-%m-%d %H:%M:%S"),
+                prompts=prompts, buckets=ranked, **(extra or {}))
+    with open(path, "w") as f:
+        json.dump(prof, f, indent=2)
+    return prof
+
+
+@dataclass
+class Planner:
+    """Picks and switches policies between chunks of rounds.
+
+    `ranking`: bucket -> list of (policy, predicted tau), best first, already filtered to the precision class.
+    A planner with one candidate per bucket never switches (a fixed policy)."""
+
+    ranking: dict
+    eps: float = 0.5
+    window: int = 32
+    switches: list = field(default_factory=list)
+    _taus: list = field(default_factory=list)
+    _bucket: str | None = None
+
+    @classmethod
+    def fixed(cls, policy: SSVPolicy) -> "Planner":
+        return cls({b: [(policy, None)] for b in map(_key, BUCKETS)})
+
+    @classmethod
+    def from_profile(cls, prof: dict, precision: str = "exact", **kw) -> "Planner":
+        """Keep the policies allowed in `precision` (exact < strict < approx), in the profile's rank order."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is invalid; accepted: {PRECISIONS}")
+        ranking = {}
+        for b, rows in prof["buckets"].items():
+            ok = [(SSVPolicy.from_dict(r["policy"]), float(r["tau"])) for r in rows]
+            ok = [(p, t) for p, t in ok if _CLASS_RANK[p.precision] <= _CLASS_RANK[precision]]
+            if ok:
+                ranking[b] = ok
+        if not ranking:
+            raise ProfileError(f"the profile has no policy in precision class {precision!r}")
+        return cls(ranking, **kw)
+
+    @classmethod
+    def for_policy(cls, policy, cfg: ModelConfig, precision: str = "exact", profile_path: str | None = None):
+        """`policy` an SSVPolicy -> a fixed planner; "auto" -> from the profile, falling back (with a warning) to
+        the default `SSVPolicy()` when the profile is missing or unusable."""
+        if isinstance(policy, SSVPolicy):
+            return cls.fixed(policy)
+        if policy != "auto":
+            raise ValueError(f"policy={policy!r} is invalid; accepted: an SSVPolicy or 'auto'")
+        path = profile_path or DEFAULT_PROFILE
+        try:
+            prof = load_profile(path)
+            if prof.get("model") not in (None, cfg.name):
+                raise ProfileError(f"profile {path!r} is for model {prof.get('model')!r}, not {cfg.name!r}")
+            return cls.from_profile(prof, precision)
+        except ProfileError as e:
+            warnings.warn(f"{e}; falling back to the fixed default policy {SSVPolicy().describe()}", stacklevel=3)
+            return cls.fixed(SSVPolicy())
+
+    def candidates(self) -> list[SSVPolicy]:
+        return [p for rows in self.ranking.values() for p, _ in rows]
+
+    def _rows(self, context: int):
+        b = bucket_of(context)
+        if b in self.ranking:
+            return b, self.ranking[b]
+        # nearest bucket that has a ranking
+        keys = list(self.ranking)
+        order = [_key(x) for x in BUCKETS]
+        i = order.index(b)
+        best = min(keys, key=lambda k: abs(order.index(k) - i) if k in order else 99)
+        return best, self.ranking[best]
+
+    def initial(self, prompt_len: int) -> SSVPolicy:
+        """The best policy for the prompt's bucket."""
+        self._bucket, rows = self._rows(prompt_len)
+        self._taus = []
+        return rows[0][0]
+
+    def predicted_tau(self, policy: SSVPolicy, context: int):
+        _, rows = self._rows(context)
+        return next((t for p, t in rows if p == policy), None)
+
+    def observe(self, policy: SSVPolicy, emitted: np.ndarray, context: int) -> SSVPolicy:
+        """Record a chunk's per-round emitted counts ([rounds, B]); return the policy for the next chunk."""
+        emitted = np.asarray(emitted)
+        if emitted.size:
+            self._taus.extend(emitted.mean(axis=-1).tolist())
+        self._taus = self._taus[-self.window:]
+        b, rows = self._rows(context)
+        if b != self._bucket:  # the context grew into another bucket: start from its best policy
+            self._bucket, self._taus = b, []
+            if rows[0][0] != policy:
+                self.switches.append(dict(reason="bucket", bucket=b, frm=policy.describe(), to=rows[0][0].describe()))
+            return rows[0][0]
+        pred = self.predicted_tau(policy, context)
+        if pred is None or len(self._taus) < min(self.window, 4):
+            return policy
+        obs = float(np.mean(self._taus))
+        if abs(obs - pred) <= self.eps:
+            return policy
+        idx = next(i for i, (p, _) in enumerate(rows) if p == policy)
+        if idx + 1 >= len(rows):
+            return policy
+        nxt = rows[idx + 1][0]
+        self.switches.append(dict(reason="drift", bucket=b, tau_observed=obs, tau_predicted=pred,
+                                  frm=policy.describe(), to=nxt.describe()))
+        self._taus = []
+        return nxt
+
+
+def _key(b) -> str:
+    return ">64K" if b is None else f"{b // 1024}K"
