@@ -192,6 +192,9 @@ def _embedding(params: dict, embed: jax.Array | None) -> jax.Array:
     if embed is None:
         raise ValueError("the draft head has no embedding (has_embed=False): pass the target's embedding table "
                          "[target_vocab, hidden] as `embed`")
+    if embed.ndim != 2 or embed.shape[1] != params["fc"].shape[1]:
+        raise ValueError(f"embed has shape {tuple(embed.shape)}; accepted: [target_vocab, "
+                         f"{params['fc'].shape[1]}] (the target's embedding table)")
     return embed
 
 
@@ -335,6 +338,10 @@ def draft_extend(params: dict, dcfg: DraftConfig, embed: jax.Array | None, feats
       logits [B, A, Vd] fp32 (predicting x_{pos+2}), and the updated cache (length = last valid position + 1).
     Each entry attends causally to every committed slot <= its position (the cache after this call's writes).
     """
+    want = dcfg.n_features * dcfg.hidden
+    if feats.ndim != 3 or feats.shape[-1] != want or feats.shape[:2] != next_tokens.shape:
+        raise ValueError(f"feats has shape {tuple(feats.shape)}; accepted: [B, A, {want}] with [B, A] = "
+                         f"next_tokens.shape {tuple(next_tokens.shape)}")
     emb = _embedding(params, embed)[next_tokens].astype(params["fc"].dtype)
     h = feats.astype(params["fc"].dtype) @ params["fc"]
     q, k, v = _qkv(params, dcfg, emb, h, positions)

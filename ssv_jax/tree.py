@@ -247,6 +247,8 @@ def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hi
     in-tree ancestors. Returns a `Tree` with N = spec.budget nodes (bfs order); nothing is committed.
     """
     K, L = spec.top_k, spec.depth
+    if root_hidden.ndim != 2 or root_hidden.shape[1] != dcfg.hidden:
+        raise ValueError(f"root_hidden has shape {tuple(root_hidden.shape)}; accepted: [B, {dcfg.hidden}]")
     B, H = root_hidden.shape
     E = (L - 1) * K
     dt = cache.k.dtype

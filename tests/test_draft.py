@@ -218,6 +218,39 @@ def test_chunked_attention_equals_dense(setup, monkeypatch):
     np.testing.assert_array_equal(chunked[2].length, [T, 6])
 
 
+def test_tree_steps_equal_committing_the_path(setup):
+    """A chain of tree steps (each seeing the earlier chain entries in flight) computes what `draft_extend`
+    computes when it commits the same entries: with fc = [I; 0; 0] the extend's h equals the given hidden, so
+    positions, masks and the self key must agree exactly."""
+    params, embed, feats, nxt, pos = setup
+    H = CFG.hidden
+    p = dict(params, fc=jnp.concatenate([jnp.eye(H), jnp.zeros((2 * H, H))], 0))
+    _, _, c = extend(p, DCFG, embed, feats, nxt, pos, jnp.ones((B, T), bool), init_draft_cache(DCFG, B))
+    L = 3
+    hs = jax.random.normal(jax.random.key(8), (B, L, H))
+    toks = jax.random.randint(jax.random.key(9), (B, L), 0, CFG.vocab_size)
+    cpos = T + jnp.broadcast_to(jnp.arange(L), (B, L))
+    f = jnp.concatenate([hs, jnp.zeros((B, L, 2 * H))], -1)
+    h_ext, l_ext, _ = extend(p, DCFG, embed, f, toks, cpos, jnp.ones((B, L), bool), c)
+    step = jax.jit(draft_tree_step, static_argnums=1)
+    ks, vs = jnp.zeros((B, 0, CFG.n_kv_heads, CFG.head_dim)), jnp.zeros((B, 0, CFG.n_kv_heads, CFG.head_dim))
+    for j in range(L):
+        out, lg, k, v = step(p, DCFG, embed, hs[:, j:j + 1], toks[:, j:j + 1], cpos[:, j:j + 1], c, ks, vs,
+                             jnp.ones((B, 1, j), bool))
+        np.testing.assert_allclose(out[:, 0], h_ext[:, j], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lg[:, 0], l_ext[:, j], rtol=1e-5, atol=1e-5)
+        ks, vs = jnp.concatenate([ks, k], 1), jnp.concatenate([vs, v], 1)
+
+
+def test_shape_validation(setup):
+    params, embed, feats, nxt, pos = setup
+    c0 = init_draft_cache(DCFG, B)
+    with pytest.raises(ValueError, match="feats"):
+        draft_extend(params, DCFG, embed, feats[..., :-1], nxt, pos, jnp.ones((B, T), bool), c0)
+    with pytest.raises(ValueError, match="embed"):
+        draft_extend(params, DCFG, embed[:, :-1], feats, nxt, pos, jnp.ones((B, T), bool), c0)
+
+
 # -- the NNX module -----------------------------------------------------------------------------------------------
 def test_nnx_head_roundtrip(setup):
     params, embed, feats, nxt, pos = setup
