@@ -1,0 +1,226 @@
+"""The Pallas kernels compute exactly what the `ssv_jax.nsa` reference computes (issue #3).
+
+Every kernel runs in interpret mode on fresh random inputs with NaN-poisoned output buffers
+(`poison_outputs`), so a NaN-free result that matches the reference proves every element was written:
+fp32 rel-RMS <= 1e-5, bf16 <= 5e-3. Shapes come from the `tiny` preset (Hq=4, Hkv=2, D=16, l=16, d=8, l'=32,
+n=4, w=64) with a 512-slot cache, draft queries past the committed length and in-tree extra keys.
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssv_jax import nsa
+from ssv_jax.config import get_config
+from pallas_kernels import (compressed_attention, effective_selection, grouped_verify, merged_sizes, naive_verify,
+                            nsa_attention_kernel, overlap_gamma, poison_outputs, refresh_layer, reuse_layer,
+                            synthetic_selection)
+from pallas_kernels.groups import merged_blocks, shared_selection
+
+CFG = get_config("tiny")
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 5e-3}
+S, KV, Q = 512, 400, 8
+
+
+def rel_rms(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(x).all(), "kernel left unwritten (NaN-poisoned) or non-finite outputs"
+    return float(np.sqrt(np.mean((x - ref) ** 2) / np.mean(ref ** 2)))
+
+
+def make_inputs(seed, dtype=jnp.float32, with_extra=True, cfg=CFG):
+    """Random cache, compressed cache, draft queries at kv_len + depth, in-tree extra keys and a routed sel."""
+    H, Hq, D = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
+    ks = jax.random.split(jax.random.key(seed), 13)
+    k = jax.random.normal(ks[1], (1, S, H, D), dtype)
+    v = jax.random.normal(ks[2], (1, S, H, D), dtype)
+    q_pos = KV + jax.random.randint(ks[3], (1, Q), 0, 4)
+    a = dict(q=jax.random.normal(ks[0], (1, Q, Hq, D), dtype), q_pos=q_pos,
+             gates=jax.nn.sigmoid(jax.random.normal(ks[4], (1, Q, Hq, 3))), k=k, v=v,
+             kc=nsa.compress_all(k, cfg), vc=nsa.compress_all(v, cfg), kv_len=jnp.full((1,), KV, jnp.int32),
+             extra=None)
+    if with_extra:
+        E, Ec = 6, 2
+        a["extra"] = nsa.Extra(
+            k=jax.random.normal(ks[5], (1, E, H, D), dtype), v=jax.random.normal(ks[6], (1, E, H, D), dtype),
+            pos=KV + jax.random.randint(ks[7], (1, E), 0, 4), mask=jax.random.bernoulli(ks[8], 0.6, (1, Q, E)),
+            ck=jax.random.normal(ks[9], (1, Ec, H, D), dtype), cv=jax.random.normal(ks[10], (1, Ec, H, D), dtype),
+            cidx=jnp.full((1, Ec), (KV - cfg.cmp_len) // cfg.cmp_stride + 1, jnp.int32),
+            cmask=jax.random.bernoulli(ks[11], 0.5, (1, Q, Ec)))
+    sel = nsa.route(jax.random.uniform(ks[12], (1, Q, H, S // cfg.slc_block)), q_pos, cfg)
+    return a, sel
+
+
+def slc_args(a):
+    return a["q"], a["q_pos"], a["k"], a["v"], a["kv_len"]
+
+
+# -- selected branch: naive and grouped ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_naive_verify_equals_reference_selected_branch(dtype):
+    a, sel = make_inputs(1, dtype)
+    ref = nsa.selected_branch(*slc_args(a), sel, CFG, a["extra"])
+    with poison_outputs():
+        out = naive_verify(*slc_args(a), sel, CFG, a["extra"], interpret=True)
+    assert rel_rms(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("group_size,nsplit", [(1, 1), (2, 3), (4, 2), (8, 1)])
+def test_grouped_mode_A_equals_reference_selected_and_window(group_size, nsplit):
+    a, sel = make_inputs(2 + group_size)
+    ref_s = nsa.selected_branch(*slc_args(a), sel, CFG, a["extra"])
+    ref_w = nsa.window_branch(*slc_args(a), CFG, a["extra"])
+    with poison_outputs():
+        o_s, o_w = grouped_verify(*slc_args(a), sel, CFG, a["extra"], mode="A", group_size=group_size, window=True,
+                                  nsplit=nsplit, interpret=True)
+    assert rel_rms(o_s, ref_s) <= 1e-5
+    assert rel_rms(o_w, ref_w) <= 1e-5
+
+
+def test_grouped_mode_A_bf16_without_extra_keys():
+    a, sel = make_inputs(3, jnp.bfloat16, with_extra=False)
+    ref = nsa.selected_branch(*slc_args(a), sel, CFG)
+    with poison_outputs():
+        out = grouped_verify(*slc_args(a), sel, CFG, mode="A", group_size=4, interpret=True)
+    assert rel_rms(out, ref) <= 5e-3
+
+
+def test_grouped_mode_B_is_the_reference_on_the_group_shared_selection():
+    a, sel = make_inputs(4)
+    shared = shared_selection(sel, 4)
+    assert (shared[:, :4] == sel[:, :1]).all() and (shared[:, 4:] == sel[:, 4:5]).all()
+    ref = nsa.selected_branch(*slc_args(a), shared, CFG, a["extra"])
+    with poison_outputs():
+        out = grouped_verify(*slc_args(a), sel, CFG, a["extra"], mode="B", group_size=4, nsplit=2, interpret=True)
+    assert rel_rms(out, ref) <= 1e-5
+
+
+def test_mode_B_equals_mode_A_when_each_group_shares_its_indices():
+    a, sel = make_inputs(5)
+    sel = shared_selection(sel, 2)  # every group of 2 queries already shares its blocks
+    out_a = grouped_verify(*slc_args(a), sel, CFG, a["extra"], mode="A", group_size=2, interpret=True)
+    out_b = grouped_verify(*slc_args(a), sel, CFG, a["extra"], mode="B", group_size=2, interpret=True)
+    np.testing.assert_allclose(np.asarray(out_b), np.asarray(out_a), rtol=1e-6, atol=1e-6)
+
+
+# -- compressed attention (refresh launch 1) and routing ---------------------------------------------------------
+@pytest.mark.parametrize("with_extra", [True, False])
+def test_compressed_attention_returns_reference_outputs_and_identical_routing(with_extra):
+    a, _ = make_inputs(6, with_extra=with_extra)
+    ex = a["extra"]
+    cargs = (a["q"], a["q_pos"], a["kc"], a["vc"], a["kv_len"], CFG, ex)
+    ro, rp, rpx = nsa.compressed_branch(*cargs)
+    with poison_outputs():
+        o, p, px = compressed_attention(*cargs, nsplit=2, interpret=True)
+    assert rel_rms(o, ro) <= 1e-5 and rel_rms(p, rp) <= 1e-5
+    assert (px is None) == (rpx is None) and (px is None or rel_rms(px, rpx) <= 1e-5)
+    cidx = None if ex is None else ex.cidx
+    route = lambda p, px: nsa.route(nsa.block_importance(p, px, cidx, CFG, S // CFG.slc_block), a["q_pos"], CFG)  # noqa
+    assert (route(p, px) == route(rp, rpx)).all()
+
+
+# -- whole layers ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_refresh_layer_equals_nsa_attention_and_routes_identically(dtype):
+    a, _ = make_inputs(7, dtype)
+    ref_o, ref_sel = nsa.nsa_attention(**a, cfg=CFG)
+    with poison_outputs():
+        o, sel = refresh_layer(**a, cfg=CFG, mode="A", group_size=2, interpret=True)
+    assert (sel == ref_sel).all()
+    assert o.dtype == dtype and rel_rms(o, ref_o) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,mode", [(jnp.float32, "A"), (jnp.bfloat16, "A"), (jnp.float32, "B")])
+def test_reuse_layer_one_launch_equals_nsa_attention_with_inherited_sel(dtype, mode):
+    a, sel = make_inputs(8, dtype)
+    eff = effective_selection(sel, mode, 4)
+    ref_o, _ = nsa.nsa_attention(**a, cfg=CFG, sel=eff)
+    with poison_outputs():
+        o, out_sel = reuse_layer(**a, sel=sel, cfg=CFG, mode=mode, group_size=4, interpret=True)
+    assert (out_sel == eff).all()
+    assert o.dtype == dtype and rel_rms(o, ref_o) <= TOL[dtype]
+
+
+def test_reuse_layer_split_variant_equals_reference():
+    a, sel = make_inputs(9)
+    ref_o, _ = nsa.nsa_attention(**a, cfg=CFG, sel=sel)
+    with poison_outputs():
+        o, _ = reuse_layer(**a, sel=sel, cfg=CFG, group_size=2, nsplit=3, interpret=True)
+    assert rel_rms(o, ref_o) <= 1e-5
+
+
+def test_nsa_attention_kernel_has_the_reference_signature():
+    ref = list(inspect.signature(nsa.nsa_attention).parameters)
+    ours = list(inspect.signature(nsa_attention_kernel).parameters)
+    assert ours[: len(ref)] == ref
+    assert ours[len(ref):] == ["mode", "group_size", "interpret"]
+
+
+@pytest.mark.parametrize("mode", ["A", "naive"])
+def test_nsa_attention_kernel_dispatches_refresh_without_sel_and_reuse_with_sel(mode):
+    a, sel = make_inputs(10)
+    ref_o, ref_sel = nsa.nsa_attention(**a, cfg=CFG)
+    with poison_outputs():
+        o, s = nsa_attention_kernel(**a, cfg=CFG, mode=mode, group_size=2, interpret=True)
+    assert (s == ref_sel).all() and rel_rms(o, ref_o) <= 1e-5
+    ref_o, _ = nsa.nsa_attention(**a, cfg=CFG, sel=sel)
+    with poison_outputs():
+        o, s = nsa_attention_kernel(**a, cfg=CFG, sel=sel, mode=mode, group_size=2, interpret=True)
+    assert (s == sel).all() and rel_rms(o, ref_o) <= 1e-5
+
+
+# -- overlap utilities -------------------------------------------------------------------------------------------
+def test_overlap_gamma_and_merged_sizes_on_hand_built_selections():
+    sel = jnp.array([[[[0, 5, 6, 7]], [[0, 5, 6, 9]], [[1, 2, 3, 4]], [[1, 2, -1, -1]]]], jnp.int32)  # [1,4,1,4]
+    np.testing.assert_allclose(np.asarray(overlap_gamma(sel))[0, :, 0], [0.75, 0.0, 0.5])
+    np.testing.assert_array_equal(np.asarray(merged_sizes(sel, 2))[0, 0], [5, 4])
+    np.testing.assert_array_equal(np.asarray(merged_sizes(sel, 4))[0, 0], [9])
+    blocks, count = merged_blocks(sel, 2)
+    np.testing.assert_array_equal(np.asarray(blocks)[0, 0, 0, :5], [0, 5, 6, 7, 9])  # sorted, unique
+    np.testing.assert_array_equal(np.asarray(blocks)[0, 0, 0, 5:], 0)  # padding
+    assert int(count[0, 0, 1]) == 4
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.75])
+def test_synthetic_selection_has_forced_blocks_and_the_requested_overlap(gamma):
+    pos = (4096 + np.arange(16) // 3)[None].astype(np.int32)
+    sel = synthetic_selection(0, pos, 2, 80, 16, 64, gamma)
+    for i in range(16):
+        cur = pos[0, i] // 64
+        assert {0, cur, cur - 1} <= set(sel[0, i, 0]) and len(set(sel[0, i, 0])) == 16
+    assert abs(float(jnp.mean(overlap_gamma(jnp.asarray(sel)))) - gamma) < 0.07
+
+
+# -- wrapper validation ------------------------------------------------------------------------------------------
+def test_out_of_range_block_ids_are_rejected_with_the_accepted_range():
+    a, sel = make_inputs(11, with_extra=False)
+    for bad in (S // CFG.slc_block, -2):
+        with pytest.raises(ValueError, match=rf"block id {bad} .*-1 \(empty\) or 0 <= id < {S // CFG.slc_block}"):
+            grouped_verify(*slc_args(a), sel.at[0, 0, 0, 1].set(bad), CFG, interpret=True)
+        with pytest.raises(ValueError, match=rf"block id {bad}"):
+            naive_verify(*slc_args(a), sel.at[0, 3, 1, 0].set(bad), CFG, interpret=True)
+
+
+@pytest.mark.parametrize("group_size", [0, 3, 16, 128, 2.0])
+def test_bad_group_size_is_rejected(group_size):
+    a, sel = make_inputs(12, with_extra=False)
+    with pytest.raises(ValueError, match=r"group_size C=.*power of two C >= 1 that divides Q"):
+        grouped_verify(*slc_args(a), sel, CFG, group_size=group_size, interpret=True)
+
+
+def test_non_dividing_shapes_and_bad_modes_are_rejected():
+    a, sel = make_inputs(13, with_extra=False)
+    q, t, k, v, kl = slc_args(a)
+    with pytest.raises(ValueError, match=r"cache length S=500 must be a multiple of slc_block=32"):
+        grouped_verify(q, t, k[:, :500], v[:, :500], kl, sel, CFG, interpret=True)
+    with pytest.raises(ValueError, match=r"number of compressed blocks Nc=60 must be a multiple of 16"):
+        compressed_attention(q, t, a["kc"][:, :60], a["vc"][:, :60], kl, CFG, interpret=True)
+    with pytest.raises(ValueError, match=r"sel has shape .*accepted"):
+        grouped_verify(q, t, k, v, kl, sel[..., :2], CFG, interpret=True)
+    with pytest.raises(ValueError, match=r"mode='C' is invalid; accepted"):
+        nsa_attention_kernel(**a, cfg=CFG, mode="C", interpret=True)
+    with pytest.raises(ValueError, match=r"n_slc=6 is invalid for the kernels; accepted: a power of two"):
+        grouped_verify(q, t, k, v, kl, jnp.zeros((1, Q, 2, 6), jnp.int32), CFG.replace(n_slc=6), interpret=True)

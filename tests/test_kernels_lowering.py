@@ -1,0 +1,61 @@
+"""Every kernel lowers for CUDA on this CPU-only machine (abstract H100, DESIGN.md "CPU compile check"), at the
+llama31-8b-nsa layer shapes, with the launch counts the design promises: the refresh layer is two Pallas launches,
+the reuse layer and every verify kernel one."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ssv_jax import nsa
+from ssv_jax.config import get_config
+from pallas_kernels import (compressed_attention, grouped_verify, naive_verify, nsa_attention_kernel,
+                            refresh_layer, reuse_layer)
+
+CFG = get_config("llama31-8b-nsa")
+T, S, Q, C = 8192, 8192 + 1024, 16, 4
+H, HQ, D = CFG.n_kv_heads, CFG.n_heads, CFG.head_dim
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def sds(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+ARGS = dict(q=sds((1, Q, HQ, D)), q_pos=sds((1, Q), jnp.int32), gates=sds((1, Q, HQ, 3)), k=sds((1, S, H, D)),
+            v=sds((1, S, H, D)), kc=sds((1, S // 16, H, D)), vc=sds((1, S // 16, H, D)),
+            kv_len=sds((1,), jnp.int32))
+SEL = sds((1, Q, H, CFG.n_slc), jnp.int32)
+EXTRA = nsa.Extra(k=sds((1, Q, H, D)), v=sds((1, Q, H, D)), pos=sds((1, Q), jnp.int32), mask=sds((1, Q, Q), bool),
+                  ck=sds((1, 2, H, D)), cv=sds((1, 2, H, D)), cidx=sds((1, 2), jnp.int32),
+                  cmask=sds((1, Q, 2), bool))
+
+
+def lower_for_cuda(fn, *args):
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+CASES = {  # name -> (fn(arrays, sel, extra), Pallas launches)
+    "naive": (lambda a, s, x: naive_verify(a["q"], a["q_pos"], a["k"], a["v"], a["kv_len"], s, CFG, x), 1),
+    "grouped_A": (lambda a, s, x: grouped_verify(a["q"], a["q_pos"], a["k"], a["v"], a["kv_len"], s, CFG, x,
+                                                 mode="A", group_size=C), 1),
+    "grouped_B": (lambda a, s, x: grouped_verify(a["q"], a["q_pos"], a["k"], a["v"], a["kv_len"], s, CFG, x,
+                                                 mode="B", group_size=8), 1),
+    "compressed": (lambda a, s, x: compressed_attention(a["q"], a["q_pos"], a["kc"], a["vc"], a["kv_len"], CFG,
+                                                        x), 1),
+    "refresh_layer": (lambda a, s, x: refresh_layer(**a, cfg=CFG, extra=x, group_size=C), 2),
+    "reuse_layer": (lambda a, s, x: reuse_layer(**a, sel=s, cfg=CFG, extra=x, group_size=C), 1),
+    "dispatch_refresh": (lambda a, s, x: nsa_attention_kernel(**a, cfg=CFG, extra=x, group_size=C), 2),
+    "dispatch_reuse_B": (lambda a, s, x: nsa_attention_kernel(**a, cfg=CFG, extra=x, sel=s, mode="B",
+                                                              group_size=C), 1),
+}
+
+
+@pytest.mark.parametrize("with_extra", [False, True])
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_lowers_for_cuda_with_the_promised_launch_count(name, with_extra):
+    fn, launches = CASES[name]
+    text = lower_for_cuda(fn, ARGS, SEL, EXTRA if with_extra else None)
+    assert text.count(TRITON) == launches
