@@ -1,0 +1,193 @@
+"""Verification-round and refresh/reuse-schedule costs at the 8B benchmark shape (GPU).
+
+    python scripts/bench_verify.py --out-verify $OUT/verify_8b_h200.json --out-schedule $OUT/schedule_8b_h200.json
+
+Random bf16 target and EAGLE-3 head weights (never zeros), and random committed caches of T tokens (the cost of a
+round does not depend on the cache's values, only on T, so no 64K prefill is needed). Measures:
+- verify: one SSV round at each T on the reference (jnp) and kernel (Pallas) paths, split into draft / verify /
+  accept+commit (draft-only, draft+verify and whole-round jitted functions; the stages are their differences);
+- schedule: for each refresh period P, the whole verify forward (projections and MLP included) and the NSA
+  attention time of one round summed over layers (per-layer refresh and reuse attention timed N times inside one
+  jit over rotated inputs, then n_R * t_R + n_U * t_U).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssv_jax import cache as kvc
+from ssv_jax import draft as dr
+from ssv_jax import model as M
+from ssv_jax import nsa
+from ssv_jax import schedule as sched
+from ssv_jax.config import get_config
+from ssv_jax.policy import SSVPolicy, attention_for
+from ssv_jax.speculative import RoundState, SSVModel, _ssv_chunk, ssv_round
+
+
+def host_time(fn, *args, reps=10):
+    """Median host wall clock of a synchronised jitted call, after one warm-up call (ms)."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+def random_cache(cfg, T, cap, key):
+    ks = jax.random.split(key, 4)
+    shp = (cfg.n_layers, 1, cap, cfg.n_kv_heads, cfg.head_dim)
+    cshp = (cfg.n_layers, 1, cap // cfg.cmp_stride, cfg.n_kv_heads, cfg.head_dim)
+    r = lambda k, s: jax.random.normal(k, s, jnp.bfloat16)
+    return kvc.KVCache(r(ks[0], shp), r(ks[1], shp), r(ks[2], cshp), r(ks[3], cshp), jnp.full((1,), T, jnp.int32))
+
+
+def random_draft_cache(dcfg, T, cap, key):
+    k1, k2 = jax.random.split(key)
+    shp = (1, cap, dcfg.n_kv_heads, dcfg.head_dim)
+    return dr.DraftCache(jax.random.normal(k1, shp, jnp.bfloat16), jax.random.normal(k2, shp, jnp.bfloat16),
+                         jnp.full((1,), T, jnp.int32))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama31-8b-nsa")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536])
+    ap.add_argument("--schedule-context", type=int, default=65536)
+    ap.add_argument("--periods", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
+    ap.add_argument("--backends", nargs="+", default=["reference", "kernel"])
+    ap.add_argument("--skip-schedule", action="store_true")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--out-verify", default="docs/results/verify_8b_h200.json")
+    ap.add_argument("--out-schedule", default="docs/results/schedule_8b_h200.json")
+    a = ap.parse_args(argv)
+
+    cfg = get_config(a.preset)
+    dcfg = dr.DraftConfig.for_target(cfg)
+    dev = jax.devices()[0]
+    interpret = jax.default_backend() == "cpu"
+    params = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
+    dparams = jax.jit(lambda k: dr.init_draft_params(dcfg, k, jnp.bfloat16))(jax.random.key(1))
+    m = SSVModel(cfg, params, dcfg, dparams)
+    tree64 = dict(top_k=8, depth=6, budget=64)
+    tree16 = dict(top_k=4, depth=4, budget=16)
+    meta = dict(preset=a.preset, device=dev.device_kind, jax=jax.__version__, dtype="bfloat16", batch=1)
+
+    # -- one verification round --------------------------------------------------------------------------------
+    rows = []
+    cap = kvc.cache_capacity(cfg, max(a.contexts) + 4096)  # one shape for every T: one compile per backend
+    for T in a.contexts:
+        tc = random_cache(cfg, T, cap, jax.random.key(2))
+        dc = random_draft_cache(dcfg, T, cap, jax.random.key(3))
+        for backend in a.backends:
+            pol = SSVPolicy(**tree64, backend=backend, group_size=4)
+            st = RoundState(tc, dc, jnp.array([17], jnp.int32),
+                            jax.random.normal(jax.random.key(4), (1, cfg.hidden), jnp.bfloat16),
+                            jnp.full((1, 4096), -1, jnp.int32), jnp.ones((1,), jnp.int32), jnp.zeros((1,), bool))
+            eos = jnp.int32(-2)
+            f_draft = jax.jit(lambda s: ssv_round(m, pol, 0.0, s, jax.random.key(0), eos, 4000, phase="draft").tokens)
+            f_verify = jax.jit(lambda s: ssv_round(m, pol, 0.0, s, jax.random.key(0), eos, 4000, phase="verify"))
+            t_draft = host_time(f_draft, st)
+            t_dv = host_time(f_verify, st)
+            # whole rounds: a chunk of `rounds` rounds in one while_loop, per round
+            run = lambda s: _ssv_chunk(params, dparams, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg, policy=pol,
+                                       temperature=0.0, rounds=a.rounds, max_new=4000)
+            s2 = jax.tree.map(jnp.copy, st)
+            s2, _, _ = run(s2)  # warm-up (compiles)
+            jax.block_until_ready(s2)
+            ts = []
+            for _ in range(3):
+                s3 = jax.tree.map(jnp.copy, st)
+                jax.block_until_ready(s3)
+                t = time.perf_counter()
+                s3, hist, r = run(s3)
+                jax.block_until_ready(s3)
+                ts.append((time.perf_counter() - t) * 1e3 / int(r))
+            t_round = statistics.median(ts)
+            row = dict(context=T, backend=backend, tree=tree64, round_ms=t_round, draft_ms=t_draft,
+                       verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    verify = dict(benchmark="ssv_verify_round", **meta, rows=rows,
+                  timing="draft and draft+verify: median host wall clock of 10 synchronised jitted calls after "
+                         "warm-up; round: a jitted while_loop of `rounds` rounds, per round, median of 3; "
+                         "verify = (draft+verify) - draft, accept_commit = round - (draft+verify)",
+                  weights="random bf16 target and draft head; random committed caches")
+    with open(a.out_verify, "w") as f:
+        json.dump(verify, f, indent=2)
+    if a.skip_schedule:
+        return
+
+    # -- refresh/reuse schedules ---------------------------------------------------------------------------------
+    T = a.schedule_context
+    cap = kvc.cache_capacity(cfg, T + 4096)
+    tc = random_cache(cfg, T, cap, jax.random.key(5))
+    srows = []
+    for spec in (tree16, tree64):
+        N = spec["budget"]
+        pol = SSVPolicy(**spec, backend="kernel", group_size=4, precision="strict")
+        attn = attention_for("kernel", "A", 4, interpret)
+        # per-layer attention: refresh (routing + branches) vs reuse (inherited indices), rotated inputs
+        R = 4
+        kq = jax.random.split(jax.random.key(6), 3)
+        qs = jax.random.normal(kq[0], (R, 1, N, cfg.n_heads, cfg.head_dim), jnp.bfloat16)
+        gs = jax.nn.sigmoid(jax.random.normal(kq[1], (R, 1, N, cfg.n_heads, 3)))
+        pos = jnp.full((1, N), T, jnp.int32) + jnp.minimum(jnp.arange(N), spec["depth"])[None]
+        Kl, Vl, KCl, VCl = tc.k[0], tc.v[0], tc.kc[0], tc.vc[0]
+        _, sel0 = attn(qs[0], pos, gs[0], Kl, Vl, KCl, VCl, tc.length, cfg)
+        iters = 32
+
+        def loop(refresh):
+            def run(sel):
+                def body(i, acc):
+                    q, g = qs[i % R], gs[i % R]
+                    o, _ = attn(q, pos, g, Kl, Vl, KCl, VCl, tc.length, cfg, sel=None if refresh else sel)
+                    return acc + o[0, 0, 0, 0].astype(jnp.float32)
+                return jax.lax.fori_loop(0, iters, body, 0.0)
+            return jax.jit(run)
+
+        t_ref = host_time(loop(True), sel0) / iters
+        t_reu = host_time(loop(False), sel0) / iters
+        for P in a.periods:
+            flags = sched.parse(P, cfg.n_layers)
+            nR = sum(flags)
+            tree = M.TreeInputs(jax.random.randint(kq[2], (1, N), 0, cfg.vocab_size),
+                                jnp.minimum(jnp.arange(N), spec["depth"])[None].astype(jnp.int32),
+                                jnp.broadcast_to(jnp.tril(jnp.ones((N, N), bool))[None], (1, N, N)))
+            fwd = jax.jit(lambda tr: M.forward_tree(params, cfg, tr, tc, schedule=P, attn=attn)[0])
+            t0 = time.perf_counter()
+            jax.block_until_ready(fwd(tree))
+            compile_s = time.perf_counter() - t0
+            t_fwd = host_time(fwd, tree, reps=5)
+            row = dict(tree=spec, P=P, schedule=sched.to_string(flags), n_refresh=nR, n_reuse=cfg.n_layers - nR,
+                       attn_refresh_layer_us=t_ref * 1e3, attn_reuse_layer_us=t_reu * 1e3,
+                       verify_attention_ms=(nR * t_ref + (cfg.n_layers - nR) * t_reu),
+                       verify_forward_ms=t_fwd, first_call_s=compile_s)
+            srows.append(row)
+            print(json.dumps(row), flush=True)
+    for spec in (tree16, tree64):
+        base = next(r for r in srows if r["tree"] == spec and r["P"] == 1)
+        for r in srows:
+            if r["tree"] == spec:
+                r["attention_speedup_vs_P1"] = base["verify_attention_ms"] / r["verify_attention_ms"]
+                r["forward_speedup_vs_P1"] = base["verify_forward_ms"] / r["verify_forward_ms"]
+    out = dict(benchmark="refresh_reuse_schedule", **meta, context=T, backend="kernel (Pallas, mode A, C=4)",
+               rows=srows,
+               timing="attention: per-layer kernel calls, 32 inside one jitted fori_loop over 4 rotated input "
+                      "sets, median of 10 host-timed loops / 32, then summed over the schedule's layers; forward: "
+                      "median host wall clock of 5 synchronised forward_tree calls (unrolled segments)")
+    with open(a.out_schedule, "w") as f:
+        json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
