@@ -20,6 +20,8 @@ NEG = -1e30  # finite "minus infinity" of the online softmax (exp(NEG - NEG) = 1
 NUM_SMS = 132  # H100/H200 streaming multiprocessors: the split heuristics fill this many programs
 
 _POISON = [False]
+DIRECT_IO = [True]  # kernels read q / write outputs in the [B, Q, Hq, D] layout where shapes allow (a switch
+                    # for falling back to XLA row packing)
 
 
 @contextlib.contextmanager
@@ -158,9 +160,10 @@ def pad_axis(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=fill)
 
 
-def split_count(programs: int, work: int, max_split: int = 8) -> int:
-    """Splits so that programs * splits covers the SMs, with at least two work items per split."""
-    want = -(-NUM_SMS // max(programs, 1))
+def split_count(programs: int, work: int, max_split: int = 16, waves: int = 4) -> int:
+    """Splits so that programs * splits covers the SMs `waves` times over (several small programs per SM hide
+    load latency), with at least two work items per split."""
+    want = -(-waves * NUM_SMS // max(programs, 1))
     return int(max(1, min(max_split, want, work // 2)))
 
 

@@ -30,7 +30,7 @@ from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
 from . import groups
-from ._common import (check_cache, check_cfg, check_group_size, check_sel, combine, dividing_chunk, finish,
+from ._common import (DIRECT_IO, check_cache, check_cfg, check_group_size, check_sel, combine, dividing_chunk, finish,
                       init_state, next_pow2, pallas, rows_of, scores, split_count, unrows, update)
 
 
@@ -54,6 +54,7 @@ class _Spec:
     extra: bool
     xcmp: bool
     gated: bool
+    direct: bool  # q read and outputs written in the [.., Q, Hq, D] layout (needs C*G == Mp)
 
     @property
     def scale(self) -> float:
@@ -85,7 +86,7 @@ def _kernel(*refs, sp: _Spec):
 
     split = pl.program_id(2)
     first = split == 0
-    q = q_ref[...]
+    q = q_ref[...].reshape(sp.mp, sp.d) if sp.direct else q_ref[...]
     kvlen = kvlen_ref[0]
     # rows r = c * G + g; padding rows (r >= C*G) have position -1 and see nothing
     r = jnp.arange(sp.mp, dtype=jnp.int32)
@@ -165,27 +166,30 @@ def _kernel(*refs, sp: _Spec):
             st = update(st, scores(q, ek_ref[...], sp.scale), valid, ev_ref[...])[0]
         states.append(st)
 
+    shape = (lambda x: x.reshape((sp.c, sp.g) + x.shape[1:])) if sp.direct else (lambda x: x)
     if sp.gated:
         o = sum(g_ref[b, :][:, None] * finish(st) for b, st in enumerate(states))
-        outs[0][...] = o.astype(outs[0].dtype)
+        outs[0][...] = shape(o.astype(outs[0].dtype))
     else:
         acc_ref, m_ref, l_ref = outs
         for b, (acc, m, l) in enumerate(states):
-            acc_ref[b, :, :] = acc
-            m_ref[b, :] = m
-            l_ref[b, :] = l
+            acc_ref[b] = shape(acc)
+            m_ref[b] = shape(m)
+            l_ref[b] = shape(l)
 
 
 def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
                group_size: int, shared: bool = False, slc: bool = True, win: bool = False, kc=None, vc=None,
                gates=None, nsplit: int | None = None, interpret: bool = False, num_warps: int = 4,
-               num_stages: int = 3, name: str = "grouped_verify"):
+               num_stages: int = 3, name: str = "grouped_verify", direct_io: bool | None = None):
     """Launches the grouped kernel for the chosen branches; `shared=True` is mode B (the group's first query's
     blocks for every query), else mode A.
 
     With `gates` [B, Q, Hq, 3] and one split, the single launch returns the gated sum of its branches
     (compressed when `kc`/`vc` are given, selected, window) in q's dtype. Otherwise it returns the fp32 branch
-    outputs [B, Q, Hq, D] in the order (compressed, selected, window), LSE-combined over the splits in XLA."""
+    outputs [B, Q, Hq, D] in the order (compressed, selected, window), LSE-combined over the splits in XLA.
+    `direct_io` (default: whenever C*G is already a power of two >= 16) reads q and writes the outputs in their
+    [B, Q, Hq, ...] layout, with no row-packing pass in XLA."""
     B, Q, Hq, D = q.shape
     S, H = k.shape[1], k.shape[2]
     G = Hq // H
@@ -202,9 +206,11 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
     if nsplit is None:
         nsplit = 1 if (gates is not None or has_cmp) else split_count(B * H * ng, c * cfg.n_slc)
     gated = gates is not None and nsplit == 1
+    direct = c * G == mp and (DIRECT_IO[0] if direct_io is None else direct_io)
     sp = _Spec(c=c, g=G, n=cfg.n_slc, mp=mp, d=D, ls=cfg.slc_block, window=cfg.window, cmp_len=cfg.cmp_len,
                cmp_stride=cfg.cmp_stride, cb=cb, nsplit=int(nsplit), shared=shared, slc=slc, win=win,
-               cmp=has_cmp, extra=has_x, xcmp=has_xc, gated=gated)
+               cmp=has_cmp, extra=has_x, xcmp=has_xc, gated=gated,
+               direct=direct)
 
     bh = lambda i: (i // H, i % H)  # noqa: E731
     row = pl.BlockSpec((None, None, None, mp, D), lambda i, g, s: (*bh(i), g, 0, 0))
@@ -213,9 +219,10 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
                                             lambda i, g, s: (*bh(i), g) + (0,) * len(shape))
     per_bgroup = lambda *shape: pl.BlockSpec((None, None) + shape,  # noqa: E731
                                              lambda i, g, s: (i // H, g) + (0,) * len(shape))
-    args = [rows_of(q, H, c, mp), q_pos.astype(jnp.int32), kv_len.astype(jnp.int32)[:, None],
+    qkv = pl.BlockSpec((None, c, G, D), lambda i, g, s: (i // H, g, i % H, 0))  # [B, Q, Hq, D] layout
+    args = [q if direct else rows_of(q, H, c, mp), q_pos.astype(jnp.int32), kv_len.astype(jnp.int32)[:, None],
             sel.astype(jnp.int32), k, v]
-    specs = [row, pl.BlockSpec((None, c), lambda i, g, s: (i // H, g)),
+    specs = [qkv if direct else row, pl.BlockSpec((None, c), lambda i, g, s: (i // H, g)),
              pl.BlockSpec((None, 1), lambda i, g, s: (i // H, 0)),
              pl.BlockSpec((None, c, None, cfg.n_slc), lambda i, g, s: (i // H, g, i % H, 0)), cache(S), cache(S)]
     if has_x:
@@ -240,8 +247,15 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
         g_rows = rows_of(gates.astype(jnp.float32)[..., gsel], H, c, mp)  # [B, H, NG, Mp, nb]
         args.append(jnp.swapaxes(g_rows, -1, -2))
         specs.append(per_group(nb, mp))
-        out_shape = [jax.ShapeDtypeStruct((B, H, ng, mp, D), q.dtype)]
-        out_specs = [row]
+        out_shape = [jax.ShapeDtypeStruct(q.shape if direct else (B, H, ng, mp, D), q.dtype)]
+        out_specs = [qkv if direct else row]
+    elif direct:
+        out_shape = [jax.ShapeDtypeStruct((B, sp.nsplit, nb, Q, Hq, D), jnp.float32),
+                     jax.ShapeDtypeStruct((B, sp.nsplit, nb, Q, Hq), jnp.float32),
+                     jax.ShapeDtypeStruct((B, sp.nsplit, nb, Q, Hq), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, nb, c, G, D), lambda i, g, s: (i // H, s, 0, g, i % H, 0)),
+                     pl.BlockSpec((None, None, nb, c, G), lambda i, g, s: (i // H, s, 0, g, i % H)),
+                     pl.BlockSpec((None, None, nb, c, G), lambda i, g, s: (i // H, s, 0, g, i % H))]
     else:
         out_shape = [jax.ShapeDtypeStruct((B, H, ng, sp.nsplit, nb, mp, D), jnp.float32),
                      jax.ShapeDtypeStruct((B, H, ng, sp.nsplit, nb, mp), jnp.float32),
@@ -253,7 +267,10 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
                   out_specs=out_specs, out_shape=out_shape, args=args, num_warps=num_warps,
                   num_stages=num_stages, interpret=interpret, name=name)
     if gated:
-        return unrows(outs[0], Q, G)
+        return outs[0] if direct else unrows(outs[0], Q, G)
+    if direct:
+        o, _, _ = combine(*outs, axis=1)  # [B, nb, Q, Hq, D]
+        return tuple(o[:, b] for b in range(nb))
     o, _, _ = combine(*outs, axis=3)  # [B, H, NG, nb, Mp, D]
     return tuple(unrows(o[:, :, :, b], Q, G) for b in range(nb))
 

@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from pallas_kernels._common import DIRECT_IO  # noqa: E402
 from ssv_jax import nsa  # noqa: E402
 from ssv_jax.config import get_config  # noqa: E402
 
@@ -91,38 +92,49 @@ class Point:
         return sel_u + win + cmp_ + self.gates[0].size * 2
 
 
+_EMPTY: dict = {}
+
+
+def _loop(body, n: int):
+    @jax.jit
+    def loop(static, rot):
+        def step(i, carry):
+            cur = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i % R, keepdims=False), rot)
+            return body(cur, static)
+        init = jax.eval_shape(lambda: body(jax.tree.map(lambda x: x[0], rot), static))
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), init)
+        return jax.lax.fori_loop(0, n, step, init)
+    return loop
+
+
+def _measure(loop, static, rot, n: int, repeats: int) -> float:
+    jax.block_until_ready(loop(static, rot))  # compile + warm up
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(static, rot))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / n * 1e6
+
+
 def time_loop(fn, static_args, rot_args, n: int = 100, repeats: int = 5):
-    """Median µs per call of fn(*rot_args[i % R], *static_args) run n times inside one jit, minus the empty loop."""
-    def make(body):
-        @jax.jit
-        def loop(static, rot):
-            def step(i, carry):
-                cur = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i % R, keepdims=False), rot)
-                return body(cur, static)
-            init = jax.eval_shape(lambda: body(jax.tree.map(lambda x: x[0], rot), static))
-            init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), init)
-            return jax.lax.fori_loop(0, n, step, init)
-        return loop
-
-    def measure(loop):
-        jax.block_until_ready(loop(static_args, rot_args))  # compile + warm up
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(loop(static_args, rot_args))
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) / n * 1e6
-
-    full = measure(make(lambda cur, st: fn(*cur, *st)))
-    empty = measure(make(lambda cur, st: cur[0]))
-    return full - empty, full, empty
+    """(net, loop, empty-loop) µs per call of fn(*rot_args[i % R], *static_args) run n times inside one jit; the
+    empty loop (rotation slicing only) is measured once per input signature."""
+    full = _measure(_loop(lambda cur, st: fn(*cur, *st), n), static_args, rot_args, n, repeats)
+    key = (n, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(rot_args)))
+    if key not in _EMPTY:
+        _EMPTY[key] = _measure(_loop(lambda cur, st: cur[0], n), static_args, rot_args, n, repeats)
+    return full - _EMPTY[key], full, _EMPTY[key]
 
 
-def count_launches(fn, *args):
-    """(Pallas launches, all kernel-like ops) in the compiled HLO of one call."""
-    txt = jax.jit(fn).lower(*args).compile().as_text()
+def count_launches(fn, *args, compiled: bool):
+    """(Pallas launches in the lowered module, kernel-like ops in the compiled HLO or None)."""
+    low = jax.jit(fn).lower(*args)
+    pallas = low.as_text().count("__gpu$xla.gpu.triton")
+    if not compiled:
+        return pallas, None
+    txt = low.compile().as_text()
     entry = txt[txt.index("ENTRY"):]
-    pallas = entry.count("__gpu$xla.gpu.triton")
     ops = sum(entry.count(f" {op}(") for op in ("fusion", "custom-call", "sort", "copy", "gather", "scatter"))
     return pallas, ops
 
@@ -162,10 +174,17 @@ def bench_point(p: Point, group_size: int, names, n: int, rows: list, log):
     gam = float(jnp.mean(overlap_gamma(p.sel[0])))
     for name in names:
         fn = ks[name]
+        one = tuple(x[0] for x in rot) + static
         try:
-            us, raw, empty = time_loop(fn, static, rot, n=n)
-            one = tuple(x[0] for x in rot) + static
-            launches = count_launches(fn, *one)
+            try:
+                us, raw, empty = time_loop(fn, static, rot, n=n)
+            except Exception as e:  # noqa: BLE001 - retry once with XLA row packing instead of in-place I/O
+                if not DIRECT_IO[0]:
+                    raise
+                log(f"{name}: {repr(e)[:200]}; retrying with DIRECT_IO off")
+                DIRECT_IO[0] = False
+                us, raw, empty = time_loop(fn, static, rot, n=n)
+            launches = count_launches(fn, *one, compiled=p.T == 65536)
         except Exception as e:  # noqa: BLE001 - record the failure in the JSON and go on
             rows.append(dict(T=p.T, Q=p.Q, C=group_size, gamma=p.gamma, kernel=name, error=repr(e)[:400]))
             log(f"{name:18s} T={p.T:6d} Q={p.Q:3d} C={group_size} ERROR {repr(e)[:200]}")
@@ -175,7 +194,8 @@ def bench_point(p: Point, group_size: int, names, n: int, rows: list, log):
         row = dict(T=p.T, Q=p.Q, C=group_size, gamma=p.gamma, gamma_measured=round(gam, 3), kernel=name,
                    us=round(us, 2), us_loop=round(raw, 2), us_empty_loop=round(empty, 2), unique_bytes=byts,
                    GBps=round(byts / us / 1e3, 1), pct_of_copy_ceiling=round(100 * byts / us / 1e3 / COPY_GBPS, 1),
-                   floor_us=round(byts / COPY_GBPS / 1e3, 2), pallas_launches=launches[0], hlo_kernel_ops=launches[1])
+                   floor_us=round(byts / COPY_GBPS / 1e3, 2), pallas_launches=launches[0], hlo_kernel_ops=launches[1],
+                   direct_io=DIRECT_IO[0])
         if not layer:
             row.update(per_group_unique_bytes=b_group, per_group_floor_us=round(b_group / COPY_GBPS / 1e3, 2))
         rows.append(row)
@@ -299,6 +319,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="correctness on the GPU plus a few timings")
     ap.add_argument("--lower-only", action="store_true", help="lower every config for CUDA (CPU) and exit")
     ap.add_argument("--n", type=int, default=100, help="calls per timed loop")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new points after this long")
     args = ap.parse_args()
     cfg = get_config("llama31-8b-nsa")
     if args.lower_only:
@@ -320,6 +341,12 @@ def main():
                             "gates) sets), host wall clock around block_until_ready, median of 5 repeats, minus the "
                             "same loop with an empty body (us_empty_loop), divided by N",
            "copy_ceiling_GBps": COPY_GBPS, "rows": []}
+
+    def save():
+        res["wall_s"] = round(time.time() - t_start, 1)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
     res["correctness_bf16_rel_rms"] = [check_correctness(cfg, 8192, 16, log)]
     main_names = ["xla_ref_selected", "naive", "grouped_A", "grouped_B", "refresh_layer", "reuse_layer"]
     if args.smoke:
@@ -328,26 +355,38 @@ def main():
         bench_point(p, 4, main_names + ["xla_ref_layer"], args.n, res["rows"], log)
         res["grid"] = "smoke: T=64K, Q=16, C=4, gamma=0.75"
         res["tuning"] = tune(p, args.n, log)
-    else:
-        res["grid"] = ("pruned: T in {8K,16K,32K,64K,128K} x Q in {4,16,64} at C=4 (C=Q for Q=4 is one group), "
-                       "gamma=0.75, all six kernels (+ the XLA whole-layer reference at Q=16); the full C sweep "
-                       "{1,2,4,8} only at T=64K for Q in {16,64} (grouped A/B, reuse); the gamma sweep "
-                       "{0.5,0.75,0.9} only at T=64K, Q=16, C=4 (naive, grouped A/B)")
-        for T in (8192, 16384, 32768, 65536, 131072):
-            for Q in (4, 16, 64):
-                p = Point(cfg, T, Q, 0.75)
-                bench_point(p, 4, main_names + (["xla_ref_layer"] if Q == 16 else []), args.n, res["rows"], log)
-                if T == 65536 and Q in (16, 64):
-                    for C in (1, 2, 8):
-                        bench_point(p, C, ["grouped_A", "grouped_B", "reuse_layer"], args.n, res["rows"], log)
-                del p
-        for gam in (0.5, 0.9):
-            bench_point(Point(cfg, 65536, 16, gam), 4, ["naive", "grouped_A", "grouped_B"], args.n, res["rows"], log)
+        res["fla"] = bench_fla(65536, args.n, log)
+        save()
+        return
+    res["grid"] = ("pruned: T in {8K,16K,32K,64K,128K} x Q in {4,16,64} at C=4 (C=Q for Q=4 is one group), "
+                   "gamma=0.75, all six kernels (+ the XLA whole-layer reference at Q=16, + the refresh-layer parts "
+                   "and the split reuse variant at Q=16, T>=64K); the full C sweep {1,2,4,8} only at T=64K for Q in "
+                   "{16,64} (grouped A/B, reuse); the gamma sweep {0.5,0.75,0.9} only at T=64K, Q=16, C=4 (naive, "
+                   "grouped A/B); points are skipped (listed in 'skipped') once --budget-s is spent")
     res["fla"] = bench_fla(65536, args.n, log)
-    res["wall_s"] = round(time.time() - t_start, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    save()
+    parts = ["reuse_layer_split4", "refresh_part_cmp_kernel", "refresh_part_cmp_route", "refresh_part_slc_win"]
+    plan = []
+    for T in (65536, 131072, 8192, 16384, 32768):  # 64K and 128K first: the targets are stated there
+        for Q in (16, 64, 4):
+            names = main_names + (["xla_ref_layer"] if Q == 16 else []) + (parts if Q == 16 and T >= 65536 else [])
+            plan.append((T, Q, 0.75, 4, names))
+            if T == 65536 and Q in (16, 64):
+                plan += [(T, Q, 0.75, C, ["grouped_A", "grouped_B", "reuse_layer"]) for C in (1, 2, 8)]
+            if T == 65536 and Q == 16:
+                plan += [(T, Q, g, 4, ["naive", "grouped_A", "grouped_B"]) for g in (0.5, 0.9)]
+    res["skipped"] = []
+    point = None
+    for T, Q, gam, C, names in plan:
+        if time.time() - t_start > args.budget_s:
+            res["skipped"].append(dict(T=T, Q=Q, gamma=gam, C=C, kernels=names))
+            continue
+        if point is None or (point.T, point.Q, point.gamma) != (T, Q, gam):
+            point = None
+            point = Point(cfg, T, Q, gam)
+        bench_point(point, C, names, args.n, res["rows"], log)
+        save()
+    save()
     log(f"wrote {args.out} in {res['wall_s']} s")
 
 

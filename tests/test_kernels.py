@@ -123,23 +123,25 @@ def test_compressed_attention_returns_reference_outputs_and_identical_routing(wi
 
 
 # -- whole layers ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_refresh_layer_equals_nsa_attention_and_routes_identically(dtype):
+@pytest.mark.parametrize("dtype,group_size", [(jnp.float32, 2), (jnp.bfloat16, 8)])
+def test_refresh_layer_equals_nsa_attention_and_routes_identically(dtype, group_size):
     a, _ = make_inputs(7, dtype)
     ref_o, ref_sel = nsa.nsa_attention(**a, cfg=CFG)
     with poison_outputs():
-        o, sel = refresh_layer(**a, cfg=CFG, mode="A", group_size=2, interpret=True)
+        o, sel = refresh_layer(**a, cfg=CFG, mode="A", group_size=group_size, interpret=True)
     assert (sel == ref_sel).all()
     assert o.dtype == dtype and rel_rms(o, ref_o) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,mode", [(jnp.float32, "A"), (jnp.bfloat16, "A"), (jnp.float32, "B")])
-def test_reuse_layer_one_launch_equals_nsa_attention_with_inherited_sel(dtype, mode):
+@pytest.mark.parametrize("dtype,mode,group_size", [(jnp.float32, "A", 4), (jnp.bfloat16, "A", 8),
+                                                   (jnp.float32, "B", 4), (jnp.float32, "B", 8)])
+def test_reuse_layer_one_launch_equals_nsa_attention_with_inherited_sel(dtype, mode, group_size):
+    """C*G = 8 rows are padded to 16 and packed by XLA; C*G = 16 rows are read and written in place."""
     a, sel = make_inputs(8, dtype)
-    eff = effective_selection(sel, mode, 4)
+    eff = effective_selection(sel, mode, group_size)
     ref_o, _ = nsa.nsa_attention(**a, cfg=CFG, sel=eff)
     with poison_outputs():
-        o, out_sel = reuse_layer(**a, sel=sel, cfg=CFG, mode=mode, group_size=4, interpret=True)
+        o, out_sel = reuse_layer(**a, sel=sel, cfg=CFG, mode=mode, group_size=group_size, interpret=True)
     assert (out_sel == eff).all()
     assert o.dtype == dtype and rel_rms(o, ref_o) <= TOL[dtype]
 
