@@ -258,7 +258,10 @@ def load_bundle(path: str | Path, dtype=jnp.float32, *, verify: bool = True) -> 
         from ssv_jax.draft import DraftConfig  # lazy: the draft module is optional for target-only bundles
 
         d = meta["draft"]
-        draft_cfg = DraftConfig.from_dict(d) if hasattr(DraftConfig, "from_dict") else DraftConfig(**d)
+        if hasattr(DraftConfig, "from_dict"):
+            draft_cfg = DraftConfig.from_dict(d)
+        else:  # JSON turned tuples into lists
+            draft_cfg = DraftConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
         draft_params = _load_group(path, meta["tensors"]["draft"], meta["sha256"], dtype, verify)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
