@@ -1,0 +1,82 @@
+"""Where does a decode step's time go? Profiles `ar` decode steps at the 8B layer shape with a few layers and
+prints the GPU ops by total time (from a perfetto trace), plus step times with the attention swapped out.
+
+    python scripts/profile_decode.py --layers 4 --context 8192 --outdir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+
+from ssv_jax import cache as kvc
+from ssv_jax import model as M
+from ssv_jax import nsa
+from ssv_jax.config import get_config
+from ssv_jax.generate import _ar_chunk
+
+
+def no_attention(q, q_pos, gates, k, v, kc, vc, kv_len, cfg, extra=None, sel=None):
+    """Baseline: the query itself (no cache reads)."""
+    B, Q = q.shape[:2]
+    return q, jnp.zeros((B, Q, cfg.n_kv_heads, cfg.n_slc), jnp.int32)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--outdir", default="/tmp/prof")
+    a = ap.parse_args()
+    cfg = get_config("llama31-8b-nsa").replace(n_layers=a.layers, feature_layers=(0, a.layers // 2, a.layers - 1))
+    params = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
+    cap = kvc.cache_capacity(cfg, 65536 + 2048)
+    ks = jax.random.split(jax.random.key(1), 4)
+    shp = (cfg.n_layers, 1, cap, cfg.n_kv_heads, cfg.head_dim)
+    cshp = (cfg.n_layers, 1, cap // cfg.cmp_stride, cfg.n_kv_heads, cfg.head_dim)
+    mk = lambda: kvc.KVCache(jax.random.normal(ks[0], shp, jnp.bfloat16), jax.random.normal(ks[1], shp, jnp.bfloat16),
+                             jax.random.normal(ks[2], cshp, jnp.bfloat16), jax.random.normal(ks[3], cshp, jnp.bfloat16),
+                             jnp.full((1,), a.context, jnp.int32))
+    tok = jnp.array([5], jnp.int32)
+    res = {}
+    for name, attn in (("nsa", nsa.nsa_attention), ("no_attention", no_attention)):
+        cache = mk()
+        run = lambda c: _ar_chunk(params, cfg, c, tok, jax.random.key(0), jnp.zeros((1,), bool), jnp.int32(-2),
+                                  steps=a.steps, temperature=0.0, schedule=None, attn=attn)
+        cache, *_ = run(cache)
+        jax.block_until_ready(cache)
+        t = time.perf_counter()
+        cache, *_ = run(cache)
+        jax.block_until_ready(cache)
+        res[name] = (time.perf_counter() - t) * 1e3 / a.steps
+        print(f"{name}: {res[name]:.3f} ms/step for {a.layers} layers", flush=True)
+        if name == "nsa":
+            d = os.path.join(a.outdir, "trace")
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                cache, *_ = run(cache)
+                jax.block_until_ready(cache)
+            files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+            ev = json.load(gzip.open(files[0]))
+            evs = ev["traceEvents"] if isinstance(ev, dict) else ev
+            tot, cnt = defaultdict(float), defaultdict(int)
+            for e in evs:
+                if e.get("ph") == "X" and "dur" in e:
+                    tot[e["name"]] += e["dur"]
+                    cnt[e["name"]] += 1
+            rows = sorted(tot.items(), key=lambda x: -x[1])[:40]
+            for n, t in rows:
+                print(f"{t / a.steps:10.1f} us/step  x{cnt[n] / a.steps:6.1f}  {n[:150]}")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
