@@ -63,7 +63,7 @@ def completed_blocks(k: jax.Array, start: jax.Array, n_new: jax.Array, max_new: 
                      w=None, pe=None) -> tuple[jax.Array, jax.Array]:
     """The compressed blocks that complete among the `n_new` [B] tokens just written at `start` [B].
 
-    k [B, S, Hkv, D] is the updated key buffer. Returns (slot [B, K], block [B, K, Hkv, D]) with slot = Nc
+    k [B, S, Hkv, D] (or an `nsa.LayerKV`) is the updated key buffer. Returns (slot [B, K], block [B, K, Hkv, D]) with slot = Nc
     (= S // d, out of range: to be dropped) where no block completes. At most max_new // d + 1 blocks complete, so
     the work is static and proportional to the new tokens, never to the context."""
     l, d = cfg.cmp_len, cfg.cmp_stride
@@ -73,6 +73,6 @@ def completed_blocks(k: jax.Array, start: jax.Array, n_new: jax.Array, max_new: 
     c = c_lo[:, None] + jnp.arange(K)[None, :]  # [B, K]
     ok = (c * d + l - 1 <= (start + n_new - 1)[:, None]) & (c < nc)
     pos = c[..., None] * d + jnp.arange(l)  # [B, K, l]
-    blocks = jax.vmap(lambda kk, pp: kk[jnp.clip(pp, 0, kk.shape[0] - 1)])(k, pos)  # [B, K, l, Hkv, D]
+    blocks = nsa.gather_rows(k, pos)  # [B, K, l, Hkv, D]
     new = nsa.compress(blocks, cfg, w, pe)
     return jnp.where(ok, c, nc), new

@@ -180,6 +180,14 @@ def _chunked_attn(ctx: Ctx, q_chunk: int, q, gates, k, v, kc, vc, kv_len, sel):
     return merge(o), merge(s)
 
 
+def _layer_view(stack, li, attn):
+    """Layer li of a stacked cache: an in-place `nsa.LayerKV` view for attention functions that read it through
+    gathers (the jnp reference), else the sliced array (Pallas kernels take plain arrays)."""
+    if getattr(attn, "reads_layer_views", False):
+        return nsa.LayerKV(stack, li)
+    return stack[li]
+
+
 def _empty_sel(cfg: ModelConfig, B: int, Q: int):
     return jnp.zeros((B, Q, cfg.n_kv_heads, cfg.n_slc), jnp.int32)
 
@@ -233,11 +241,12 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
         K = K.at[li, bidx, pos].set(k.astype(K.dtype), mode="drop")
         V = V.at[li, bidx, pos].set(v.astype(V.dtype), mode="drop")
         (wk, pek), (wv, pev) = _cmp_params(lp, cfg)
-        slot, ck = kvc.completed_blocks(K[li], start, n_valid, Q, cfg, wk, pek)
-        _, cv = kvc.completed_blocks(V[li], start, n_valid, Q, cfg, wv, pev)
+        Kl, Vl = _layer_view(K, li, attn), _layer_view(V, li, attn)
+        slot, ck = kvc.completed_blocks(nsa.LayerKV(K, li), start, n_valid, Q, cfg, wk, pek)
+        _, cv = kvc.completed_blocks(nsa.LayerKV(V, li), start, n_valid, Q, cfg, wv, pev)
         KC = KC.at[li, bidx, slot].set(ck.astype(KC.dtype), mode="drop")
         VC = VC.at[li, bidx, slot].set(cv.astype(VC.dtype), mode="drop")
-        o, sel = _chunked_attn(ctx, q_chunk, q, g, K[li], V[li], KC[li], VC[li], kv_len, None if refresh else sel)
+        o, sel = _chunked_attn(ctx, q_chunk, q, g, Kl, Vl, KC[li], VC[li], kv_len, None if refresh else sel)
         return (_finish(lp, ctx, x, o), K, V, KC, VC, sel), x
 
     x0 = embed(params, tokens)
@@ -326,17 +335,16 @@ def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache,
     ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     completes, cidx, from_cache, cache_pos, node_src = _path_block_plan(cfg, T, tree)
     cmask = tree.mask & completes[:, None, :]
-    gb = jax.vmap(lambda a, i: a[i])  # batched gather along axis 0 of [B, ...]
 
     def path_blocks(Kl, k, cp):
-        blocks = jnp.where(from_cache[..., None, None], gb(Kl, cache_pos), gb(k, node_src))  # [B, N, l, Hkv, D]
+        blocks = jnp.where(from_cache[..., None, None], nsa.gather_rows(Kl, cache_pos), nsa.gather_rows(k, node_src))
         return nsa.compress(blocks, cfg, *cp)
 
     def layer(carry, xs, refresh):
         x, sel = carry
         lp, li = xs
         q, k, v, g = _qkv(lp, ctx, x)
-        Kl, Vl = cache.k[li], cache.v[li]
+        Kl, Vl = _layer_view(cache.k, li, attn), _layer_view(cache.v, li, attn)
         cpk, cpv = _cmp_params(lp, cfg)
         extra = nsa.Extra(k, v, pos, tree.mask, path_blocks(Kl, k, cpk), path_blocks(Vl, v, cpv), cidx, cmask)
         o, sel = attn(q, pos, g, Kl, Vl, cache.kc[li], cache.vc[li], T, cfg, extra=extra,

@@ -45,6 +45,33 @@ class Extra(NamedTuple):
     cmask: jax.Array
 
 
+class LayerKV(NamedTuple):
+    """Layer `layer` of a stacked cache `stack` [L, B, S, Hkv, D], read in place: gathers index the stack with the
+    layer folded into the index, so XLA never materialises the layer's slice (a per-layer copy of the whole cache
+    otherwise). Accepted wherever the reference takes `k` or `v`."""
+
+    stack: jax.Array
+    layer: jax.Array
+
+    @property
+    def shape(self):
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+
+def gather_rows(k, pos):
+    """k [B, S, ...] (or a `LayerKV`), pos [B, ...] -> k[b, pos] (positions clipped into range)."""
+    S = k.shape[1]
+    b = jnp.arange(pos.shape[0]).reshape((-1,) + (1,) * (pos.ndim - 1))
+    p = jnp.clip(pos, 0, S - 1)
+    if isinstance(k, LayerKV):
+        return k.stack[k.layer, b, p]
+    return k[b, p]
+
+
 # -- compression -----------------------------------------------------------------------------------------------
 def compress(blocks: jax.Array, cfg: ModelConfig, w: jax.Array | None = None, pe: jax.Array | None = None):
     """phi: [..., l, Hkv, D] -> [..., Hkv, D]. `mean` pools; `mlp` maps the flattened block plus an
@@ -158,7 +185,10 @@ def _gather_keys(k, pos):
     B, S, H, D = k.shape
     b = jnp.arange(B)[:, None, None, None]
     h = jnp.arange(H)[None, None, :, None]
-    return k[b, jnp.clip(pos, 0, S - 1), h]
+    p = jnp.clip(pos, 0, S - 1)
+    if isinstance(k, LayerKV):
+        return k.stack[k.layer, b, p, h]
+    return k[b, p, h]
 
 
 def _branch_with_extra(q, kpos, kvalid, k, v, extra: Extra | None, xvis):
@@ -226,3 +256,4 @@ def nsa_attention(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, extra
     g = gates.astype(jnp.float32)
     o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
     return o.astype(q.dtype), sel
+nsa_attention.reads_layer_views = True  # gathers only: see LayerKV
