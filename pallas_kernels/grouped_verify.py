@@ -181,13 +181,15 @@ def _kernel(*refs, sp: _Spec):
 def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
                group_size: int, shared: bool = False, slc: bool = True, win: bool = False, kc=None, vc=None,
                gates=None, nsplit: int | None = None, interpret: bool = False, num_warps: int = 4,
-               num_stages: int = 3, name: str = "grouped_verify", direct_io: bool | None = None):
+               num_stages: int = 3, name: str = "grouped_verify", direct_io: bool | None = None,
+               cmp_chunk: int = 64):
     """Launches the grouped kernel for the chosen branches; `shared=True` is mode B (the group's first query's
     blocks for every query), else mode A.
 
     With `gates` [B, Q, Hq, 3] and one split, the single launch returns the gated sum of its branches
     (compressed when `kc`/`vc` are given, selected, window) in q's dtype. Otherwise it returns the fp32 branch
     outputs [B, Q, Hq, D] in the order (compressed, selected, window), LSE-combined over the splits in XLA.
+    `cmp_chunk`: compressed keys per loop step (the largest power of two <= it dividing Nc).
     `direct_io` (default: whenever C*G is already a power of two >= 16) reads q and writes the outputs in their
     [B, Q, Hq, ...] layout, with no row-packing pass in XLA."""
     B, Q, Hq, D = q.shape
@@ -200,7 +202,7 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
     mp = next_pow2(c * G)
     ng = Q // c
     has_cmp = kc is not None
-    cb = dividing_chunk(kc.shape[1], "number of compressed blocks Nc", cap=128) if has_cmp else 16
+    cb = dividing_chunk(kc.shape[1], "number of compressed blocks Nc", cap=cmp_chunk) if has_cmp else 16
     has_x = extra is not None and extra.k.shape[1] > 0
     has_xc = has_cmp and extra is not None and extra.ck.shape[1] > 0
     if nsplit is None:

@@ -17,13 +17,14 @@ from .grouped_verify import effective_selection, fused_call
 
 def reuse_layer(q, q_pos, gates, k, v, kc, vc, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
                 mode: str = "A", group_size: int = 4, nsplit: int = 1, interpret: bool = False,
-                num_warps: int = 4, num_stages: int = 3):
+                num_warps: int = 4, num_stages: int = 3, cmp_chunk: int = 64):
     """Gated NSA attention of a reuse layer with inherited `sel` [B, Q, Hkv, n]. Returns (o in q's dtype, the
     effective selection: `sel` in mode "A", the group-shared one in mode "B")."""
     check_group_size(group_size, q.shape[1], q.shape[2] // k.shape[2])
     sel_eff = effective_selection(sel, mode, group_size)
     kw = dict(group_size=group_size, shared=mode == "B", slc=True, win=True, kc=kc, vc=vc, gates=gates,
-              nsplit=nsplit, interpret=interpret, num_warps=num_warps, num_stages=num_stages, name="reuse_layer")
+              nsplit=nsplit, interpret=interpret, num_warps=num_warps, num_stages=num_stages, name="reuse_layer",
+              cmp_chunk=cmp_chunk)
     o = fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, **kw)
     if nsplit > 1:
         o = gate(gates, *o, q.dtype)

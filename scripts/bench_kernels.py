@@ -275,22 +275,53 @@ def bench_fla(T: int, n: int, log) -> dict:
     return res
 
 
-def tune(p: Point, n: int, log) -> list:
-    """Grouped A / reuse layer under a few (num_warps, num_stages, nsplit) settings at one point."""
+def time_unrolled(fn, static_args, rot_args, n: int = 32, repeats: int = 10):
+    """Second timing method: n independent calls unrolled in one jit (no while loop, rotation by static
+    indexing), host wall clock, median, minus the same jit returning only the rotated inputs; per call."""
+    def make(body):
+        return jax.jit(lambda st, rot: [body(tuple(x[i % R] for x in rot), st) for i in range(n)])
+    full = _measure(make(lambda cur, st: fn(*cur, *st)), static_args, rot_args, n, repeats)
+    empty = _measure(make(lambda cur, st: cur[0]), static_args, rot_args, n, repeats)
+    return full - empty, full, empty
+
+
+def tune(p: Point, log, budget_end: float) -> list:
+    """Timing cross-check and a small tuning sweep at one point (64K): grouped A splits, reuse-layer settings."""
     cfg, out = p.cfg, []
     rot, static = (p.q, p.sel, p.q_pos, p.gates), (p.k, p.v, p.kc, p.vc, p.kv_len)
-    for nw, ns, sp in [(4, 2, None), (4, 3, None), (8, 3, None), (2, 2, None), (4, 2, 1), (4, 2, 2), (4, 2, 8)]:
-        f = lambda q, s, t, g, k, v, kc, vc, kl: grouped_verify(q, t, k, v, kl, s, cfg, group_size=4,  # noqa
-                                                                nsplit=sp, num_warps=nw, num_stages=ns)
-        out.append(dict(kernel="grouped_A", num_warps=nw, num_stages=ns, nsplit=sp,
-                        us=round(time_loop(f, static, rot, n=n)[0], 2)))
+
+    def rec(kind, fn, **info):
+        if time.time() > budget_end:
+            return
+        try:
+            us = time_loop(fn, static, rot)[0]
+        except Exception as e:  # noqa: BLE001
+            out.append(dict(T=p.T, Q=p.Q, kind=kind, error=repr(e)[:300], **info))
+            return
+        out.append(dict(T=p.T, Q=p.Q, kind=kind, us=round(us, 2), **info))
         log(f"tune {out[-1]}")
-    for nw, ns, C in [(4, 2, 4), (4, 3, 4), (8, 3, 4), (4, 3, 1), (4, 3, 2)]:
-        f = lambda q, s, t, g, k, v, kc, vc, kl: reuse_layer(q, t, g, k, v, kc, vc, kl, s, cfg,  # noqa
-                                                             group_size=C, num_warps=nw, num_stages=ns)[0]
-        out.append(dict(kernel="reuse_layer", num_warps=nw, num_stages=ns, C=C,
-                        us=round(time_loop(f, static, rot, n=n)[0], 2)))
+
+    ks = kernels(cfg, 4)
+    for name in ("naive", "grouped_A", "grouped_B", "reuse_layer", "reuse_layer_split4", "refresh_layer"):
+        if time.time() > budget_end or (p.Q == 64 and name.startswith(("reuse", "refresh"))):
+            continue
+        us, full, empty = time_unrolled(ks[name], static, rot)
+        out.append(dict(T=p.T, Q=p.Q, kind="unrolled_timing_check", kernel=name, C=4, us=round(us, 2),
+                        us_unrolled=round(full, 2), us_empty=round(empty, 2)))
         log(f"tune {out[-1]}")
+    for sp in (2, 4, 8, 16):
+        rec("grouped_A_nsplit", lambda q, s, t, g, k, v, kc, vc, kl, sp=sp: grouped_verify(
+            q, t, k, v, kl, s, cfg, group_size=4, nsplit=sp), C=4, nsplit=sp)
+    if p.Q != 16:
+        return out
+    for C, cb, nw, ns in [(1, 32, 4, 2), (1, 32, 4, 3), (1, 64, 4, 2), (1, 64, 4, 4), (1, 128, 4, 2),
+                          (1, 64, 8, 3), (4, 64, 4, 2), (4, 32, 4, 3), (2, 64, 4, 3)]:
+        rec("reuse_one_launch", lambda q, s, t, g, k, v, kc, vc, kl, C=C, cb=cb, nw=nw, ns=ns: reuse_layer(
+            q, t, g, k, v, kc, vc, kl, s, cfg, group_size=C, num_warps=nw, num_stages=ns, cmp_chunk=cb)[0],
+            C=C, cmp_chunk=cb, num_warps=nw, num_stages=ns)
+    for C, sp in [(4, 8), (4, 16), (1, 4), (2, 8)]:
+        rec("reuse_split", lambda q, s, t, g, k, v, kc, vc, kl, C=C, sp=sp: reuse_layer(
+            q, t, g, k, v, kc, vc, kl, s, cfg, group_size=C, nsplit=sp)[0], C=C, nsplit=sp)
     return out
 
 
@@ -317,6 +348,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="docs/results/kernels_h200.json")
     ap.add_argument("--smoke", action="store_true", help="correctness on the GPU plus a few timings")
+    ap.add_argument("--tune", action="store_true",
+                    help="add a timing cross-check and tuning sweep at 64K to the existing --out JSON")
     ap.add_argument("--lower-only", action="store_true", help="lower every config for CUDA (CPU) and exit")
     ap.add_argument("--n", type=int, default=100, help="calls per timed loop")
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new points after this long")
@@ -347,6 +380,18 @@ def main():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 
+    if args.tune:
+        with open(args.out) as f:
+            res = json.load(f)
+        end = time.time() + args.budget_s
+        res["tuning"] = tune(Point(cfg, 65536, 16, 0.75), log, end) + tune(Point(cfg, 65536, 64, 0.75), log, end)
+        res["tuning_note"] = ("unrolled_timing_check: the same kernels timed as 32 unrolled calls in one jit (no "
+                              "while loop) to cross-check the fori_loop-minus-empty-loop method; the rest are "
+                              "fori_loop timings of alternative settings")
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        log(f"wrote {args.out}")
+        return
     res["correctness_bf16_rel_rms"] = [check_correctness(cfg, 8192, 16, log)]
     main_names = ["xla_ref_selected", "naive", "grouped_A", "grouped_B", "refresh_layer", "reuse_layer"]
     if args.smoke:
@@ -354,7 +399,7 @@ def main():
         p = Point(cfg, 65536, 16, 0.75)
         bench_point(p, 4, main_names + ["xla_ref_layer"], args.n, res["rows"], log)
         res["grid"] = "smoke: T=64K, Q=16, C=4, gamma=0.75"
-        res["tuning"] = tune(p, args.n, log)
+        res["tuning"] = tune(p, log, time.time() + args.budget_s)
         res["fla"] = bench_fla(65536, args.n, log)
         save()
         return
