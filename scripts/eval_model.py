@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Evaluate a bundle on held-out stdlib source and write docs/results/small_eval.json.
+
+    python scripts/eval_model.py                                  # checkpoints/ssv-small, CPU-sized defaults
+    python scripts/eval_model.py --ppl-windows 0 --contexts 1024,4096,8192,16384 --new-tokens 128   # GPU
+
+* Held-out perplexity: the test split (files never trained on) tokenized with the bundle's tokenizer, cut into
+  non-overlapping --seq-len windows in file order; --ppl-windows of them evenly spaced (0 = all). Every position
+  but the first of a window is scored.
+* tau (mean tokens emitted per verify round: accepted drafts + the bonus token) at temperatures 0 and 1, for
+  each context length in --contexts, with a chain policy (top_k=1) and a tree policy (<= 32 nodes), through
+  `ssv_jax.speculative.ssv_generate` (imported lazily; skipped with a note when it is unavailable or the bundle
+  has no draft head). Prompts are the last `context` tokens of the concatenated held-out test stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_target import forward_train_fast  # noqa: E402
+
+from ssv_jax import checkpoint as ckpt  # noqa: E402
+from ssv_jax import data as D  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def held_out_tokens(tok, max_files: int | None = None) -> D.TokenizedSplit:
+    """The test split, tokenized with the bundle's tokenizer (EOS after each file)."""
+    return D.tokenize_split(tok, "test", max_files=max_files)
+
+
+def perplexity(cfg, params, test: D.TokenizedSplit, seq_len: int, windows: int, progress: bool) -> dict:
+    """Token-level perplexity over `windows` (0 = all) evenly spaced non-overlapping windows of the test stream."""
+    if seq_len > cfg.max_seq_len:
+        raise ValueError(f"--seq-len={seq_len} is invalid; accepted: <= max_seq_len={cfg.max_seq_len}")
+    n_all = len(test) // seq_len
+    if n_all == 0:
+        raise ValueError(f"--seq-len={seq_len} exceeds the {len(test)} held-out tokens; accepted: a shorter one")
+    n = n_all if windows == 0 else min(windows, n_all)
+    # Evenly spaced windows, so a partial evaluation is not just the first files in path order.
+    starts = np.linspace(0, n_all - 1, n).round().astype(int) * seq_len
+
+    @jax.jit
+    def nll_sum(p, t):
+        logits, _ = forward_train_fast(p, cfg, t)
+        lp = jax.nn.log_softmax(logits[:, :-1], -1)
+        return -jnp.sum(jnp.take_along_axis(lp, t[:, 1:, None], -1))
+
+    total, count = 0.0, 0
+    for s0 in tqdm(starts, desc="perplexity", disable=not progress):
+        t = jnp.asarray(test.tokens[s0:s0 + seq_len].astype(np.int32))[None]
+        total += float(nll_sum(params, t))
+        count += seq_len - 1
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(loss), "windows": n, "windows_available": n_all,
+            "seq_len": seq_len, "tokens_scored": count}
+
+
+def policies():
+    """The chain and the <= 32-node tree policies (exact precision, reference backend)."""
+    from ssv_jax.policy import SSVPolicy
+
+    return {"chain": SSVPolicy(top_k=1, depth=6, budget=7), "tree": SSVPolicy(top_k=4, depth=6, budget=32)}
+
+
+def measure_tau(bundle, test: D.TokenizedSplit, contexts, temperatures, new_tokens: int, seed: int,
+                progress: bool) -> list[dict]:
+    """tau for every (context, temperature, policy); prompts are the last `context` held-out tokens."""
+    from ssv_jax.speculative import ssv_generate
+
+    rows = []
+    for ctx in contexts:
+        if ctx + new_tokens + 64 > bundle.cfg.max_seq_len or ctx >= len(test):
+            rows.append({"context": ctx, "skipped": f"context {ctx} does not fit max_seq_len "
+                                                    f"{bundle.cfg.max_seq_len} or the held-out stream"})
+            continue
+        prompt = test.tokens[len(test) - ctx:].astype(np.int32)
+        for temp in temperatures:
+            for name, pol in policies().items():
+                t0 = time.time()
+                res = ssv_generate(bundle, prompt, max_new_tokens=new_tokens, policy=pol, temperature=temp,
+                                   seed=seed, progress=progress)
+                st = res.stats
+                rows.append({"context": ctx, "temperature": temp, "policy_name": name, "policy": st.get("policy"),
+                             "tau": st["tau"], "rounds": st["rounds"], "new_tokens": int(res.tokens.shape[1]),
+                             "tokens_per_s": st.get("tokens_per_s"), "wall_s": time.time() - t0})
+                print(f"[eval] ctx {ctx} T={temp} {name}: tau {st['tau']:.3f} over {st['rounds']} rounds", flush=True)
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", default=str(ROOT / "checkpoints" / "ssv-small"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "small_eval.json"))
+    ap.add_argument("--seq-len", type=int, default=8192, help="perplexity window")
+    ap.add_argument("--ppl-windows", type=int, default=4, help="perplexity windows (0 = the whole test split)")
+    ap.add_argument("--contexts", default="1024,4096", help="comma-separated prompt lengths for tau")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--no-tau", action="store_true", help="perplexity only")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.ppl_windows < 0:
+        raise ValueError(f"--ppl-windows={args.ppl_windows} is invalid; accepted: an integer >= 0 (0 = all)")
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens={args.new_tokens} is invalid; accepted: an integer >= 1")
+    progress = not args.no_progress
+    dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+    b = ckpt.load_bundle(args.bundle, dtype=dtype)
+    if b.tokenizer is None:
+        raise ValueError(f"bundle {args.bundle!r} has no tokenizer; accepted: a bundle from train_target.py")
+    test = held_out_tokens(b.tokenizer)
+    t0 = time.time()
+    out = {"bundle": str(args.bundle), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+           "python": platform.python_version(), "dtype": args.dtype,
+           "held_out": {"files": test.n_docs, "tokens": len(test)},
+           "perplexity": perplexity(b.cfg, b.params, test, args.seq_len, args.ppl_windows, progress)}
+    print(f"[eval] held-out perplexity {out['perplexity']['perplexity']:.3f} "
+          f"({out['perplexity']['tokens_scored']} tokens)", flush=True)
+    out["training"] = ckpt.read_bundle_meta(args.bundle).get("meta", {})
+    for v in out["training"].values():
+        v.pop("history", None) if isinstance(v, dict) else None
+    if args.no_tau:
+        out["tau"] = {"skipped": "--no-tau"}
+    elif b.draft_params is None:
+        out["tau"] = {"skipped": "the bundle has no draft head"}
+    else:
+        try:
+            import ssv_jax.speculative  # noqa: F401
+        except ImportError as e:
+            out["tau"] = {"skipped": f"ssv_jax.speculative.ssv_generate is unavailable ({e})"}
+        else:
+            contexts = [int(c) for c in args.contexts.split(",") if c]
+            temps = [float(t) for t in args.temperatures.split(",") if t]
+            out["tau"] = measure_tau(b, test, contexts, temps, args.new_tokens, args.seed, progress)
+    out["wall_s"] = time.time() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"[eval] wrote {args.out}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
