@@ -186,6 +186,8 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     _check_sampling(temperature, eos_id, cfg)
     if planner is None:
         planner = Planner.for_policy(policy, cfg, precision=getattr(policy, "precision", "exact"))
+    for cand in planner.candidates():  # every check before any device work
+        cand.check_for(cfg)
     pol = planner.initial(prompt_len=np.asarray(prompt_ids).shape[-1])
     max_depth = max(p.depth for p in planner.candidates())
     prompt = prepare_prompt(cfg, prompt_ids, max_new_tokens, extra_room=prefill_chunk + 2 * (max_depth + 2))
@@ -210,7 +212,6 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc="ssv", unit="tok", initial=1)
     while not bool(jnp.all(st.done)):
-        pol.check_for(cfg)
         tc = time.perf_counter()
         st, hist, r = _ssv_chunk(m.params, m.draft_params, st, jax.random.fold_in(key, r_total), eos, cfg=cfg,
                                  dcfg=m.draft_cfg, policy=pol, temperature=float(temperature), rounds=chunk_rounds,
@@ -228,7 +229,7 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         bar.close()
     t2 = time.perf_counter()
     n_out = np.asarray(st.n_out)
-    tokens = np.asarray(st.out)[:, : int(n_out.max())]
+    tokens = np.array(st.out)[:, : int(n_out.max())]
     if eos_id is not None:
         for b in range(B):
             tokens[b, n_out[b]:] = eos_id

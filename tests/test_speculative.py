@@ -1,0 +1,153 @@
+"""`ssv_generate`: greedy SSV in class "exact" is token-for-token greedy AR NSA decoding, on the reference and
+kernel paths, for chains and trees, both flattening orders and several group sizes; long accepted paths; seeded
+sampling; mode B; input validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssv_jax import baselines, nsa
+from ssv_jax import draft as dr
+from ssv_jax import model as M
+from ssv_jax import speculative as spec
+from ssv_jax import tree as tr
+from ssv_jax.config import get_config
+from ssv_jax.generate import ar_generate
+from ssv_jax.policy import SSVPolicy
+from ssv_jax.speculative import SSVModel, ssv_generate
+
+CFG = get_config("tiny", max_seq_len=1024)  # l=16, d=8, l'=32, n=4, w=64: 300 tokens cross every boundary
+PARAMS = M.init_params(CFG, jax.random.key(0))
+DCFG = dr.DraftConfig.for_target(CFG)
+MODEL = SSVModel(CFG, PARAMS, DCFG, dr.init_draft_params(DCFG, jax.random.key(1)))
+PROMPT = np.asarray(jax.random.randint(jax.random.key(2), (1, 150), 0, CFG.vocab_size))
+NEW = 300
+CHAIN = dict(top_k=1, depth=4, budget=5)
+TREE = dict(top_k=4, depth=4, budget=16)
+
+
+@pytest.fixture(scope="module")
+def ar_tokens():
+    return ar_generate((CFG, PARAMS), PROMPT, NEW, prefill_chunk=64, chunk_steps=100).tokens
+
+
+def _ssv(policy, **kw):
+    return ssv_generate(MODEL, PROMPT, max_new_tokens=NEW, policy=policy, prefill_chunk=64, chunk_rounds=64, **kw)
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("order", ["bfs", "dfs"])
+def test_greedy_ssv_equals_greedy_ar_on_the_reference_path(ar_tokens, shape, order):
+    res = _ssv(SSVPolicy(**shape, order=order))
+    np.testing.assert_array_equal(res.tokens, ar_tokens)
+    assert sum(res.stats["accepted_per_round"]) == NEW - 1  # every token after the first came from a round
+
+
+@pytest.mark.parametrize("shape,order,C", [(CHAIN, "bfs", 1), (TREE, "bfs", 1), (TREE, "bfs", 2), (TREE, "dfs", 2),
+                                           (TREE, "dfs", 4)])
+def test_greedy_ssv_equals_greedy_ar_on_the_kernel_path(ar_tokens, shape, order, C):
+    res = _ssv(SSVPolicy(**shape, order=order, group_size=C, backend="kernel"))
+    np.testing.assert_array_equal(res.tokens, ar_tokens)
+
+
+def _oracle_builder(sequence: np.ndarray, prompt_len: int):
+    """A drafter that knows the target's greedy continuation: the first chain of the tree carries the true next
+    tokens, the other nodes random ones. Exercises long accepted paths (many commits of depth+1 tokens)."""
+    seq = jnp.asarray(sequence, jnp.int32)
+    parents = jnp.asarray([-1, 0, 1, 2, 3, 0, 0, 0, 1, 1, 2, 2, 3, 5, 6, 8], jnp.int32)
+    chain = jnp.asarray([0, 1, 2, 3, 4], jnp.int32)
+
+    def build(params, dcfg, embed, root_hidden, root_token, root_pos, cache, spec_):
+        B = root_token.shape[0]
+        k = jax.random.fold_in(jax.random.key(7), root_pos[0])
+        toks = jax.random.randint(k, (B, 16), 0, CFG.vocab_size)
+        rel = root_pos[:, None] - prompt_len + 1 + jnp.arange(4)[None]  # index into the generated sequence
+        true_next = jnp.take(seq, jnp.clip(rel, 0, seq.shape[0] - 1))
+        toks = toks.at[:, chain[1:]].set(true_next).at[:, 0].set(root_token)
+        return tr.tree_from_parents(toks, jnp.broadcast_to(parents, (B, 16)), root_pos)
+
+    return build
+
+
+def test_long_accepted_paths_with_an_oracle_draft(ar_tokens, monkeypatch):
+    monkeypatch.setattr(spec.tr, "build_tree", _oracle_builder(ar_tokens[0], PROMPT.shape[1]))
+    res = _ssv(SSVPolicy(**TREE, order="dfs"))
+    np.testing.assert_array_equal(res.tokens, ar_tokens)
+    assert res.stats["tau"] > 4.5  # depth 4 + bonus = 5 tokens per round except at the end
+    assert res.stats["rounds"] <= NEW // 5 + 2
+
+
+def test_sampling_is_seeded_and_deterministic():
+    pol = SSVPolicy(**TREE)
+    run = lambda seed: ssv_generate(MODEL, PROMPT[:, :100], max_new_tokens=40, policy=pol, temperature=1.0,
+                                    seed=seed, prefill_chunk=64).tokens
+    a, b, c = run(5), run(5), run(6)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_eos_stops_the_row():
+    greedy = ar_generate((CFG, PARAMS), PROMPT, 30, prefill_chunk=64).tokens[0]
+    eos = int(greedy[7])
+    first = int(np.argmax(greedy == eos))
+    res = ssv_generate(MODEL, PROMPT, max_new_tokens=30, policy=SSVPolicy(**TREE), eos_id=eos, prefill_chunk=64)
+    np.testing.assert_array_equal(res.tokens[0, : first + 1], greedy[: first + 1])
+    assert np.all(res.tokens[0, first:] == eos)
+
+
+def test_mode_b_equals_mode_a_when_a_group_shares_its_indices():
+    """Queries at the same position with the same routing inputs select the same blocks: sharing the first
+    query's selection then changes nothing."""
+    r = np.random.default_rng(0)
+    S, Q = 256, 8
+    k = jnp.asarray(r.standard_normal((1, S, 2, 16)), jnp.float32)
+    v = jnp.asarray(r.standard_normal((1, S, 2, 16)), jnp.float32)
+    q0 = r.standard_normal((1, 1, 4, 16))
+    q = jnp.asarray(np.repeat(q0, Q, 1) + 1e-3 * r.standard_normal((1, Q, 4, 16)), jnp.float32)
+    pos = jnp.full((1, Q), 240, jnp.int32)
+    g = jnp.asarray(r.uniform(size=(1, Q, 4, 3)), jnp.float32)
+    kc, vc = nsa.compress_all(k, CFG), nsa.compress_all(v, CFG)
+    a, sel_a = nsa.nsa_attention(q, pos, g, k, v, kc, vc, jnp.asarray([S]), CFG)
+    assert np.all(np.asarray(sel_a) == np.asarray(sel_a)[:, :1])  # the premise: shared indices
+    b, sel_b = baselines.shared_index_reference(q, pos, g, k, v, kc, vc, jnp.asarray([S]), CFG, group_size=4)
+    np.testing.assert_array_equal(np.asarray(sel_b), np.asarray(sel_a))
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+
+
+def test_mode_b_generation_runs_in_class_approx():
+    res = ssv_generate(MODEL, PROMPT[:, :100], max_new_tokens=20, prefill_chunk=64,
+                       policy=SSVPolicy(**TREE, mode="B", precision="approx"))
+    assert res.tokens.shape == (1, 20)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(depth=0), "depth"),
+    (dict(order="random"), "order"),
+    (dict(mode="B"), "approx"),
+    (dict(schedule=2), "strict"),
+    (dict(precision="loose"), "precision"),
+    (dict(budget=500), "budget"),
+])
+def test_bad_policy_raises_clear_value_error(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        SSVPolicy(**{**TREE, **kw})
+
+
+def test_group_size_must_divide_the_tree_rows():
+    with pytest.raises(ValueError, match="group_size"):
+        ssv_generate(MODEL, PROMPT, max_new_tokens=8, policy=SSVPolicy(**CHAIN, group_size=2, backend="kernel"),
+                     prefill_chunk=64)
+
+
+def test_budget_above_the_cache_room_is_rejected():
+    with pytest.raises(ValueError, match="exceeds the cache"):
+        ssv_generate(MODEL, PROMPT, max_new_tokens=900, policy=SSVPolicy(**TREE), prefill_chunk=64)
+
+
+def test_draft_target_mismatch_is_rejected():
+    bad = DCFG.replace(hidden=CFG.hidden * 2)
+    with pytest.raises(ValueError, match="hidden"):
+        ssv_generate((CFG, PARAMS, bad, MODEL.draft_params), PROMPT, max_new_tokens=8, policy=SSVPolicy(**TREE))
+    with pytest.raises(ValueError, match="draft head"):
+        ssv_generate((CFG, PARAMS, None, None), PROMPT, max_new_tokens=8, policy=SSVPolicy(**TREE))
