@@ -30,7 +30,9 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
                          interpret: bool = False):
     """Kernel path of `nsa.nsa_attention`: returns (o [B, Q, Hq, D] in q's dtype, sel [B, Q, Hkv, n]).
 
-    Groups are `group_size` consecutive queries (must divide Q; ignored in mode "naive")."""
+    Groups are `group_size` consecutive queries (a power of two dividing Q; ignored in mode "naive"). k, v, kc, vc
+    may be `nsa.LayerKV` views of stacked caches (one shared layer index): the kernels then index the stack in
+    place instead of receiving a per-layer copy."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid; accepted: {MODES}")
     if mode == "naive":
@@ -47,6 +49,8 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
     return reuse_layer(q, q_pos, gates, k, v, kc, vc, kv_len, sel, cfg, extra, mode=mode, group_size=group_size,
                        interpret=interpret)
 
+
+nsa_attention_kernel.reads_layer_views = True  # k, v, kc, vc may be nsa.LayerKV views: read in place from the stack
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
            "compressed_attention", "overlap_gamma", "merged_sizes", "synthetic_selection", "effective_selection",

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
 NEG = -1e30  # finite "minus infinity" of the online softmax (exp(NEG - NEG) = 1 stays finite)
@@ -118,7 +119,7 @@ def check_sel(sel: jax.Array, n_sel_blocks: int, expect_shape: tuple) -> None:
 
 
 def check_cache(k, v, kc, cfg: ModelConfig) -> None:
-    """The committed cache must hold whole selection blocks."""
+    """The committed cache must hold whole selection blocks (k, v, kc may be `nsa.LayerKV` views)."""
     if k.shape != v.shape:
         raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
     if k.shape[1] % cfg.slc_block:
@@ -165,6 +166,42 @@ def split_count(programs: int, work: int, max_split: int = 16, waves: int = 4) -
     load latency), with at least two work items per split."""
     want = -(-waves * NUM_SMS // max(programs, 1))
     return int(max(1, min(max_split, want, work // 2)))
+
+
+# -- cache operands: [B, n, Hkv, D] arrays or nsa.LayerKV views of [L, B, n, Hkv, D] stacks --------------------
+def cache_arg(x, hkv: int):
+    """(array, BlockSpec) of a cache operand for a grid whose first axis is b * Hkv + h: a program sees [n, D],
+    or [L, n, D] of the whole stack for an `nsa.LayerKV` (read in place, no per-layer copy of the cache)."""
+    if isinstance(x, nsa.LayerKV):
+        L, _, n, _, d = x.stack.shape
+        return x.stack, pl.BlockSpec((L, None, n, None, d), lambda i, *_: (0, i // hkv, 0, i % hkv, 0))
+    _, n, _, d = x.shape
+    return x, pl.BlockSpec((None, n, None, d), lambda i, *_: (i // hkv, 0, i % hkv, 0))
+
+
+def layer_arg(*xs):
+    """The layer index [1] int32 shared by the `nsa.LayerKV` operands among xs (None when there are none)."""
+    views = [x for x in xs if isinstance(x, nsa.LayerKV)]
+    if not views:
+        return None
+    return jnp.asarray(views[0].layer, jnp.int32).reshape(1)
+
+
+class CacheRef:
+    """In-kernel view of a cache operand: `rows(start, size)` loads [size, D] (of layer `layer` for a stack)."""
+
+    def __init__(self, ref, layer=None):
+        self.ref, self.layer = ref, layer
+
+    def rows(self, start, size: int):
+        sl = pl.ds(start, size)
+        return self.ref[sl, :] if self.layer is None else self.ref[self.layer, sl, :]
+
+
+def cache_refs(layer_ref, *refs_and_flags):
+    """Wraps (ref, stacked) pairs as `CacheRef`s, reading the layer index once."""
+    layer = layer_ref[0] if layer_ref is not None else None
+    return [CacheRef(r, layer if stacked else None) for r, stacked in refs_and_flags]
 
 
 # -- in-kernel online softmax ------------------------------------------------------------------------------------

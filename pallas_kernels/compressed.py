@@ -18,16 +18,20 @@ from jax.experimental import pallas as pl
 from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
-from ._common import (NEG, check_cfg, combine, dividing_chunk, init_state, next_pow2, pad_axis, pallas,
-                      query_rows, rows_of, scores, split_count, update)
+from ._common import (NEG, cache_arg, cache_refs, check_cfg, combine, dividing_chunk, init_state, layer_arg,
+                      next_pow2, pad_axis, pallas, query_rows, rows_of, scores, split_count, update)
 
 
 def _kernel(q_ref, t_ref, meta_ref, kc_ref, vc_ref, *rest, cb: int, per: int, nch: int, stride: int,
-            cmp_len: int, scale: float, extra: bool):
+            cmp_len: int, scale: float, extra: bool, stacked: bool):
+    rest = list(rest)
+    eck_ref, ecv_ref, xc_ref = (rest.pop(0) for _ in range(3)) if extra else (None,) * 3
+    layer_ref = rest.pop(0) if stacked else None
     if extra:
-        eck_ref, ecv_ref, xc_ref, acc_ref, m_ref, l_ref, u_ref, mc_ref, xu_ref, xm_ref = rest
+        acc_ref, m_ref, l_ref, u_ref, mc_ref, xu_ref, xm_ref = rest
     else:
         acc_ref, m_ref, l_ref, u_ref, mc_ref = rest
+    kc_ref, vc_ref = cache_refs(layer_ref, (kc_ref, stacked), (vc_ref, stacked))
     split = pl.program_id(2)
     q = q_ref[...]
     t = t_ref[...][:, None]
@@ -47,7 +51,7 @@ def _kernel(q_ref, t_ref, meta_ref, kc_ref, vc_ref, *rest, cb: int, per: int, nc
         c0 = pl.multiple_of(i * cb, cb)
         end = (c0 + arc) * stride + cmp_len - 1
         valid = (end <= t) & (end < kvlen)
-        st, p = update(st, scores(q, kc_ref[pl.ds(c0, cb), :], scale), valid, vc_ref[pl.ds(c0, cb), :])
+        st, p = update(st, scores(q, kc_ref.rows(c0, cb), scale), valid, vc_ref.rows(c0, cb))
         u_ref[:, pl.ds(c0, cb)] = p
         mc_ref[i, :] = st[1]
         return st
@@ -100,9 +104,10 @@ def compressed_attention(q, q_pos, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.
 
     row = pl.BlockSpec((None, None, None, mp, D), lambda i, j, s: (i // H, i % H, j, 0, 0))
     cache = lambda n: pl.BlockSpec((None, n, None, D), lambda i, j, s: (i // H, 0, i % H, 0))  # noqa: E731
-    args = [rows_of(q, H, ct, mp), t, meta, kc, vc]
+    (kc_arr, kc_spec), (vc_arr, vc_spec) = cache_arg(kc, H), cache_arg(vc, H)
+    args = [rows_of(q, H, ct, mp), t, meta, kc_arr, vc_arr]
     specs = [row, pl.BlockSpec((None, None, mp), lambda i, j, s: (i // H, j, 0)),
-             pl.BlockSpec((None, None, 2), lambda i, j, s: (i // H, j, 0)), cache(nc), cache(nc)]
+             pl.BlockSpec((None, None, 2), lambda i, j, s: (i // H, j, 0)), kc_spec, vc_spec]
     hd = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
                                      lambda i, j, s: (i // H, i % H, j) + (0,) * len(shape))
     hds = lambda *shape: pl.BlockSpec((None, None, None, None) + shape,  # noqa: E731
@@ -117,8 +122,12 @@ def compressed_attention(q, q_pos, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.
         specs += [cache(ecp), cache(ecp), pl.BlockSpec((None, None, mp, ecp), lambda i, j, s: (i // H, j, 0, 0))]
         out_shape += [f32(nsplit, mp, ecp), f32(nsplit, mp)]
         out_specs += [hds(mp, ecp), hds(mp)]
+    layer = layer_arg(kc, vc)
+    if layer is not None:
+        args.append(layer)
+        specs.append(pl.BlockSpec((1,), lambda i, j, s: (0,)))
     kern = functools.partial(_kernel, cb=cb, per=per, nch=nch, stride=cfg.cmp_stride, cmp_len=cfg.cmp_len,
-                             scale=D ** -0.5, extra=has_x)
+                             scale=D ** -0.5, extra=has_x, stacked=layer is not None)
     outs = pallas(kern, grid=(B * H, qt, nsplit), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
                   args=args, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                   name="compressed_attention")

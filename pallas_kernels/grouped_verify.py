@@ -30,8 +30,9 @@ from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
 from . import groups
-from ._common import (DIRECT_IO, check_cache, check_cfg, check_group_size, check_sel, combine, dividing_chunk, finish,
-                      init_state, next_pow2, pallas, rows_of, scores, split_count, unrows, update)
+from ._common import (DIRECT_IO, cache_arg, cache_refs, check_cache, check_cfg, check_group_size, check_sel,
+                      combine, dividing_chunk, finish, init_state, layer_arg, next_pow2, pallas, rows_of, scores,
+                      split_count, unrows, update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,8 @@ class _Spec:
     xcmp: bool
     gated: bool
     direct: bool  # q read and outputs written in the [.., Q, Hq, D] layout (needs C*G == Mp)
+    kv_stacked: bool = False  # k, v are nsa.LayerKV views (read in place from the stack)
+    c_stacked: bool = False  # kc, vc likewise
 
     @property
     def scale(self) -> float:
@@ -82,7 +85,11 @@ def _kernel(*refs, sp: _Spec):
         if sp.xcmp:
             eck_ref, ecv_ref, xc_ref = (next(it) for _ in range(3))
     g_ref = next(it) if sp.gated else None
+    layer_ref = next(it) if (sp.kv_stacked or (sp.cmp and sp.c_stacked)) else None
     outs = list(it)
+    k_ref, v_ref = cache_refs(layer_ref, (k_ref, sp.kv_stacked), (v_ref, sp.kv_stacked))
+    if sp.cmp:
+        kc_ref, vc_ref = cache_refs(layer_ref, (kc_ref, sp.c_stacked), (vc_ref, sp.c_stacked))
 
     split = pl.program_id(2)
     first = split == 0
@@ -114,7 +121,7 @@ def _kernel(*refs, sp: _Spec):
             c0 = pl.multiple_of(i * cb, cb)
             end = (c0 + arc) * sp.cmp_stride + sp.cmp_len - 1
             valid = (end <= t) & (end < kvlen)
-            return update(st, scores(q, kc_ref[pl.ds(c0, cb), :], sp.scale), valid, vc_ref[pl.ds(c0, cb), :])[0]
+            return update(st, scores(q, kc_ref.rows(c0, cb), sp.scale), valid, vc_ref.rows(c0, cb))[0]
 
         st = jax.lax.fori_loop(*span((nvis + cb - 1) // cb), cmp_body, init_state(sp.mp, sp.d))
         if sp.xcmp:
@@ -137,8 +144,8 @@ def _kernel(*refs, sp: _Spec):
                 else:
                     member = _any(onehot & _any(selt == blk, axis=1)[None, :], axis=1)
                 valid = member[:, None] & (pos <= t) & (pos < kvlen)
-                s = scores(q, k_ref[pl.ds(start, sp.ls), :], sp.scale)
-                return update(st, s, valid, v_ref[pl.ds(start, sp.ls), :])[0]
+                s = scores(q, k_ref.rows(start, sp.ls), sp.scale)
+                return update(st, s, valid, v_ref.rows(start, sp.ls))[0]
 
             return jax.lax.cond(skip, lambda st: st, visit, st)
 
@@ -157,8 +164,8 @@ def _kernel(*refs, sp: _Spec):
             start = pl.multiple_of((w0 + i) * sp.ls, sp.ls)
             pos = start + ar
             valid = (pos > t - sp.window) & (pos <= t) & (pos < kvlen)
-            s = scores(q, k_ref[pl.ds(start, sp.ls), :], sp.scale)
-            return update(st, s, valid, v_ref[pl.ds(start, sp.ls), :])[0]
+            s = scores(q, k_ref.rows(start, sp.ls), sp.scale)
+            return update(st, s, valid, v_ref.rows(start, sp.ls))[0]
 
         st = jax.lax.fori_loop(*span(wcnt), win_body, init_state(sp.mp, sp.d))
         if sp.extra:
@@ -209,24 +216,26 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
         nsplit = 1 if (gates is not None or has_cmp) else split_count(B * H * ng, c * cfg.n_slc)
     gated = gates is not None and nsplit == 1
     direct = c * G == mp and (DIRECT_IO[0] if direct_io is None else direct_io)
+    stacked = lambda x: isinstance(x, nsa.LayerKV)  # noqa: E731
     sp = _Spec(c=c, g=G, n=cfg.n_slc, mp=mp, d=D, ls=cfg.slc_block, window=cfg.window, cmp_len=cfg.cmp_len,
                cmp_stride=cfg.cmp_stride, cb=cb, nsplit=int(nsplit), shared=shared, slc=slc, win=win,
                cmp=has_cmp, extra=has_x, xcmp=has_xc, gated=gated,
-               direct=direct)
+               direct=direct, kv_stacked=stacked(k), c_stacked=has_cmp and stacked(kc))
 
     bh = lambda i: (i // H, i % H)  # noqa: E731
     row = pl.BlockSpec((None, None, None, mp, D), lambda i, g, s: (*bh(i), g, 0, 0))
     cache = lambda n: pl.BlockSpec((None, n, None, D), lambda i, g, s: (i // H, 0, i % H, 0))  # noqa: E731
+    (k_arr, k_spec), (v_arr, v_spec) = cache_arg(k, H), cache_arg(v, H)
     per_group = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
                                             lambda i, g, s: (*bh(i), g) + (0,) * len(shape))
     per_bgroup = lambda *shape: pl.BlockSpec((None, None) + shape,  # noqa: E731
                                              lambda i, g, s: (i // H, g) + (0,) * len(shape))
     qkv = pl.BlockSpec((None, c, G, D), lambda i, g, s: (i // H, g, i % H, 0))  # [B, Q, Hq, D] layout
     args = [q if direct else rows_of(q, H, c, mp), q_pos.astype(jnp.int32), kv_len.astype(jnp.int32)[:, None],
-            sel.astype(jnp.int32), k, v]
+            sel.astype(jnp.int32), k_arr, v_arr]
     specs = [qkv if direct else row, pl.BlockSpec((None, c), lambda i, g, s: (i // H, g)),
              pl.BlockSpec((None, 1), lambda i, g, s: (i // H, 0)),
-             pl.BlockSpec((None, c, None, cfg.n_slc), lambda i, g, s: (i // H, g, i % H, 0)), cache(S), cache(S)]
+             pl.BlockSpec((None, c, None, cfg.n_slc), lambda i, g, s: (i // H, g, i % H, 0)), k_spec, v_spec]
     if has_x:
         ep = next_pow2(extra.k.shape[1])
         sel_eff = groups.shared_selection(sel, c) if shared else sel
@@ -238,8 +247,9 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
             args.append(xsel)
             specs.append(per_group(mp, ep))
     if has_cmp:
-        args += [kc, vc]
-        specs += [cache(kc.shape[1]), cache(kc.shape[1])]
+        (kc_arr, kc_spec), (vc_arr, vc_spec) = cache_arg(kc, H), cache_arg(vc, H)
+        args += [kc_arr, vc_arr]
+        specs += [kc_spec, vc_spec]
         if has_xc:
             args += [xck, xcv, xcm]
             specs += [cache(xck.shape[1]), cache(xck.shape[1]), per_bgroup(mp, xck.shape[1])]
@@ -249,6 +259,11 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
         g_rows = rows_of(gates.astype(jnp.float32)[..., gsel], H, c, mp)  # [B, H, NG, Mp, nb]
         args.append(jnp.swapaxes(g_rows, -1, -2))
         specs.append(per_group(nb, mp))
+    layer = layer_arg(k, v, *((kc, vc) if has_cmp else ()))
+    if layer is not None:
+        args.append(layer)
+        specs.append(pl.BlockSpec((1,), lambda i, g, s: (0,)))
+    if gated:
         out_shape = [jax.ShapeDtypeStruct(q.shape if direct else (B, H, ng, mp, D), q.dtype)]
         out_specs = [qkv if direct else row]
     elif direct:

@@ -226,3 +226,21 @@ def test_non_dividing_shapes_and_bad_modes_are_rejected():
         nsa_attention_kernel(**a, cfg=CFG, mode="C", interpret=True)
     with pytest.raises(ValueError, match=r"n_slc=6 is invalid for the kernels; accepted: a power of two"):
         grouped_verify(q, t, k, v, kl, jnp.zeros((1, Q, 2, 6), jnp.int32), CFG.replace(n_slc=6), interpret=True)
+
+
+# -- stacked caches read in place ------------------------------------------------------------------------------
+@pytest.mark.parametrize("with_sel", [False, True])
+def test_layer_views_of_stacked_caches_give_the_sliced_layer_result(with_sel):
+    """`nsa.LayerKV(stack, layer)` operands are read in place (no per-layer copy) and equal the sliced layer."""
+    a, sel = make_inputs(14)
+    b, _ = make_inputs(15)
+    stack = {n: jnp.stack([b[n], a[n], b[n]]) for n in ("k", "v", "kc", "vc")}  # layer 1 holds a's cache
+    views = {n: nsa.LayerKV(stack[n], jnp.int32(1)) for n in stack}
+    assert nsa_attention_kernel.reads_layer_views
+    s = sel if with_sel else None
+    ref_o, ref_sel = nsa.nsa_attention(**a, cfg=CFG, sel=s)
+    for mode in ("A", "naive"):
+        with poison_outputs():
+            o, out_sel = nsa_attention_kernel(**{**a, **views}, cfg=CFG, sel=s, mode=mode, group_size=8,
+                                              interpret=True)
+        assert (out_sel == ref_sel).all() and rel_rms(o, ref_o) <= 1e-5

@@ -59,3 +59,17 @@ def test_kernel_lowers_for_cuda_with_the_promised_launch_count(name, with_extra)
     fn, launches = CASES[name]
     text = lower_for_cuda(fn, ARGS, SEL, EXTRA if with_extra else None)
     assert text.count(TRITON) == launches
+
+
+@pytest.mark.parametrize("with_sel,launches", [(False, 2), (True, 1)])
+def test_stacked_cache_views_lower_for_cuda_without_slicing_the_stack(with_sel, launches):
+    """With `nsa.LayerKV` operands the kernels take the whole [L, ...] stack and the layer index as inputs."""
+    L = 4
+    views = {n: nsa.LayerKV(sds((L,) + ARGS[n].shape), sds((), jnp.int32)) for n in ("k", "v", "kc", "vc")}
+
+    def fn(a, s, x):
+        return nsa_attention_kernel(**{**a, **x}, cfg=CFG, sel=s if with_sel else None, group_size=C)
+
+    text = lower_for_cuda(fn, {n: ARGS[n] for n in ("q", "q_pos", "gates", "kv_len")}, SEL, views)
+    assert text.count(TRITON) == launches
+    assert "dynamic_slice" not in text  # no per-layer copy of the cache
