@@ -32,6 +32,8 @@ def main(argv=None):
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--schedule", default=None, help="refresh period P (int) or an R/U string; default: all R")
+    ap.add_argument("--random-cache", action="store_true",
+                    help="skip prefill: fill the cache with random K/V at each context (decode cost only)")
     ap.add_argument("--out", default="docs/results/ar_8b_h200.json")
     a = ap.parse_args(argv)
     sched = None if a.schedule is None else (int(a.schedule) if a.schedule.isdigit() else a.schedule)
@@ -55,9 +57,15 @@ def main(argv=None):
     for ctx in sorted(a.contexts):
         piece = prompt[:, done_len:ctx]
         t = time.perf_counter()
-        logits, _, cache = M.prefill(params, cfg, piece, cache, chunk=a.prefill_chunk, schedule=sched,
-                                     progress=True)
-        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        if a.random_cache:
+            ks = jax.random.split(jax.random.key(ctx), 4)
+            cache = kvc.KVCache(*(jax.random.normal(k_, x.shape, x.dtype) for k_, x in zip(ks, cache[:4])),
+                                jnp.full((1,), ctx, jnp.int32))
+            tok = jnp.array([7], jnp.int32)
+        else:
+            logits, _, cache = M.prefill(params, cfg, piece, cache, chunk=a.prefill_chunk, schedule=sched,
+                                         progress=True)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
         jax.block_until_ready(tok)
         dt = time.perf_counter() - t
         prefill_s += dt
@@ -83,7 +91,8 @@ def main(argv=None):
     res = dict(
         benchmark="ar_nsa_decode", preset=a.preset, device=dev.device_kind, jax=jax.__version__,
         host=platform.node(), dtype="bfloat16", batch=1, schedule=a.schedule,
-        prefill=dict(tokens=max_ctx, chunk=a.prefill_chunk, seconds_total=prefill_s),
+        prefill=None if a.random_cache else dict(tokens=max_ctx, chunk=a.prefill_chunk, seconds_total=prefill_s),
+        cache="random K/V at each context (no prefill)" if a.random_cache else "chunked prefill of random tokens",
         decode=rows, peak_memory_gb=stats.get("peak_bytes_in_use", 0) / 1e9,
         weights_gb=weight_bytes / 1e9, weight_read_floor_ms=weight_bytes / 4.3e12 * 1e3,
         timing="decode_steps greedy steps inside one jitted lax.while_loop after a same-shape warm-up; "
