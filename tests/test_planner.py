@@ -1,0 +1,120 @@
+"""The host planner: profile files, bucket choice, switching on synthetic acceptance traces, fallbacks."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ssv_jax.config import get_config
+from ssv_jax.planner import Planner, ProfileError, bucket_of, load_profile, save_profile
+from ssv_jax.policy import SSVPolicy
+
+CFG = get_config("tiny")
+P_BIG = SSVPolicy(top_k=4, depth=6, budget=32)
+P_MID = SSVPolicy(top_k=4, depth=4, budget=16)
+P_APPROX = SSVPolicy(top_k=4, depth=4, budget=16, mode="B", precision="approx")
+P_STRICT = SSVPolicy(top_k=2, depth=4, budget=8, schedule=2, precision="strict")
+
+
+def _rows(*entries):
+    return [dict(policy=p.to_dict(), tokens_per_s=tps, tau=tau, verify_ms=1.0) for p, tps, tau in entries]
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "prof.json"
+    save_profile(str(path), {"8K": _rows((P_MID, 100.0, 3.0), (P_BIG, 120.0, 4.0), (P_APPROX, 150.0, 3.2)),
+                             "32K": _rows((P_STRICT, 90.0, 2.0), (P_MID, 80.0, 3.0))},
+                 hardware="test", model=CFG.name, prompts=["a", "b"])
+    return str(path)
+
+
+def test_profile_round_trips_ranked_by_tokens_per_s(profile):
+    prof = load_profile(profile)
+    assert prof["version"] == 1 and prof["hardware"] == "test" and prof["prompts"] == ["a", "b"]
+    assert [SSVPolicy.from_dict(r["policy"]) for r in prof["buckets"]["8K"]] == [P_APPROX, P_BIG, P_MID]
+
+
+def test_buckets():
+    assert [bucket_of(n) for n in (100, 8192, 8193, 20000, 65536, 70000)] == ["8K", "8K", "16K", "32K", "64K",
+                                                                              ">64K"]
+
+
+def test_initial_policy_is_the_buckets_best_within_the_class(profile):
+    prof = load_profile(profile)
+    assert Planner.from_profile(prof, "exact").initial(4000) == P_BIG
+    assert Planner.from_profile(prof, "approx").initial(4000) == P_APPROX
+    assert Planner.from_profile(prof, "strict").initial(20000) == P_STRICT
+    assert Planner.from_profile(prof, "exact").initial(20000) == P_MID
+
+
+def test_no_switch_while_acceptance_matches_the_prediction(profile):
+    pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
+    pol = pl.initial(4000)
+    for _ in range(10):
+        pol = pl.observe(pol, np.full((4, 1), 4.2), context=4000)
+    assert pol == P_BIG and pl.switches == []
+
+
+def test_switch_to_the_next_ranked_policy_on_drift(profile):
+    pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
+    pol = pl.initial(4000)
+    pol = pl.observe(pol, np.full((8, 1), 2.0), context=4000)  # tau 2.0 vs predicted 4.0
+    assert pol == P_MID
+    (sw,) = pl.switches
+    assert sw["reason"] == "drift" and sw["tau_observed"] == 2.0 and sw["tau_predicted"] == 4.0
+    # the last-ranked policy has nowhere to go: it stays, with no new switch recorded
+    pol = pl.observe(pol, np.full((8, 1), 1.0), context=4000)
+    assert pol == P_MID and len(pl.switches) == 1
+
+
+def test_too_few_rounds_never_switch(profile):
+    pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
+    pol = pl.initial(4000)
+    assert pl.observe(pol, np.full((2, 1), 1.0), context=4000) == P_BIG
+
+
+def test_growing_into_another_bucket_restarts_from_its_best(profile):
+    pl = Planner.from_profile(load_profile(profile), "strict")
+    pol = pl.initial(8000)
+    pol = pl.observe(pol, np.full((4, 1), 4.0), context=9000)  # 16K has no ranking: the nearest, 8K
+    pol = pl.observe(pol, np.full((4, 1), 4.0), context=20000)
+    assert pol == P_STRICT and pl.switches[-1]["reason"] == "bucket"
+
+
+def test_fixed_policy_never_switches():
+    pl = Planner.for_policy(P_MID, CFG)
+    pol = pl.initial(100)
+    for _ in range(5):
+        pol = pl.observe(pol, np.full((8, 1), 1.0), context=100)
+    assert pol == P_MID and pl.switches == []
+
+
+@pytest.mark.parametrize("content,needle", [("{not json", "not valid JSON"), (json.dumps({"version": 7}), "version"),
+                                            (json.dumps({"version": 1}), "buckets"),
+                                            (json.dumps({"version": 1, "buckets": {"8K": [{"policy": {}}]}}),
+                                             "lacks")])
+def test_corrupt_profiles_raise_clear_errors(tmp_path, content, needle):
+    p = tmp_path / "bad.json"
+    p.write_text(content)
+    with pytest.raises(ProfileError, match=needle):
+        load_profile(str(p))
+
+
+def test_missing_profile_warns_and_falls_back_to_the_default(tmp_path):
+    with pytest.warns(UserWarning, match="falling back"):
+        pl = Planner.for_policy("auto", CFG, profile_path=str(tmp_path / "none.json"))
+    assert pl.initial(100) == SSVPolicy()
+
+
+def test_profile_for_another_model_falls_back(profile):
+    with pytest.warns(UserWarning, match="not 'small'"):
+        pl = Planner.for_policy("auto", get_config("small"), profile_path=profile)
+    assert pl.initial(100) == SSVPolicy()
+
+
+def test_invalid_class_and_policy_are_rejected(profile):
+    with pytest.raises(ValueError, match="precision"):
+        Planner.from_profile(load_profile(profile), "lossy")
+    with pytest.raises(ValueError, match="auto"):
+        Planner.for_policy("fastest", CFG)
