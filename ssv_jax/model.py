@@ -321,13 +321,14 @@ def _path_block_plan(cfg: ModelConfig, T, tree: TreeInputs):
     return completes, cidx, from_cache, jnp.clip(s, 0, None), node_src
 
 
-@partial(jax.jit, static_argnames=("cfg", "schedule", "unroll", "attn"))
+@partial(jax.jit, static_argnames=("cfg", "schedule", "unroll", "attn", "with_selection"))
 def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache, *, schedule=None,
-                 unroll=True, attn: AttnFn = nsa.nsa_attention):
+                 unroll=True, attn: AttnFn = nsa.nsa_attention, with_selection: bool = False):
     """Verify all tree nodes in one pass (the cache is read only). Every node's logits equal what AR decoding
     computes after appending its root-to-node path (mode A, refresh every layer).
 
-    Returns (logits [B, N, V] f32, feats [B, N, 3H], node_k [L, B, N, Hkv, D], node_v [L, B, N, Hkv, D])."""
+    Returns (logits [B, N, V] f32, feats [B, N, 3H], node_k [L, B, N, Hkv, D], node_v [L, B, N, Hkv, D]), plus
+    every layer's selection [L, B, N, Hkv, n] when `with_selection`."""
     B, N = tree.tokens.shape
     flags = sched.parse(schedule, cfg.n_layers)
     T = cache.length
@@ -349,13 +350,14 @@ def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache,
         extra = nsa.Extra(k, v, pos, tree.mask, path_blocks(Kl, k, cpk), path_blocks(Vl, v, cpv), cidx, cmask)
         o, sel = attn(q, pos, g, Kl, Vl, cache.kc[li], cache.vc[li], T, cfg, extra=extra,
                       sel=None if refresh else sel)
-        return (_finish(lp, ctx, x, o), sel), (x, k, v)
+        return (_finish(lp, ctx, x, o), sel), (x, k, v, sel if with_selection else None)
 
     x0 = embed(params, tree.tokens)
     li = jnp.arange(cfg.n_layers)
-    (x, _), (xs_in, node_k, node_v) = sched.run_layers(layer, (x0, _empty_sel(cfg, B, N)),
-                                                       (params["layers"], li), flags, unroll=unroll)
-    return lm_logits(params, cfg, x), _features(cfg, xs_in), node_k, node_v
+    (x, _), (xs_in, node_k, node_v, sels) = sched.run_layers(layer, (x0, _empty_sel(cfg, B, N)),
+                                                             (params["layers"], li), flags, unroll=unroll)
+    out = (lm_logits(params, cfg, x), _features(cfg, xs_in), node_k, node_v)
+    return out + (sels,) if with_selection else out
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -390,9 +392,10 @@ def commit_tree(params, cfg: ModelConfig, cache: kvc.KVCache, node_k, node_v, pa
 
 # -- training --------------------------------------------------------------------------------------------------
 def forward_train(params, cfg: ModelConfig, tokens, *, schedule=None, remat: bool = True, q_chunk: int = 512,
-                  attn: AttnFn = nsa.nsa_attention):
+                  attn: AttnFn = nsa.nsa_attention, with_selection: bool = False):
     """A whole sequence [B, S] from an empty context (differentiable; rolled scans, optional per-layer remat).
-    Returns (logits [B, S, V] f32, feats [B, S, 3H])."""
+    Returns (logits [B, S, V] f32, feats [B, S, 3H]), plus every layer's selection [L, B, S, Hkv, n] when
+    `with_selection` (the layout-stability analysis)."""
     B, S = tokens.shape
     flags = sched.parse(schedule, cfg.n_layers)
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
@@ -409,10 +412,12 @@ def forward_train(params, cfg: ModelConfig, tokens, *, schedule=None, remat: boo
         (wk, pek), (wv, pev) = _cmp_params(lp, cfg)
         KC, VC = nsa.compress_all(K, cfg, wk, pek), nsa.compress_all(V, cfg, wv, pev)
         o, sel = _chunked_attn(ctx, qc, q, g, K, V, KC, VC, kv_len, None if refresh else sel)
-        return (_finish(lp, ctx, x, o), sel), x
+        return (_finish(lp, ctx, x, o), sel), ((x, sel) if with_selection else x)
 
     if remat:
         layer = jax.checkpoint(layer, static_argnums=(2,))
-    (x, _), xs_in = sched.run_layers(layer, (embed(params, tokens), _empty_sel(cfg, B, S)), params["layers"],
-                                     flags, unroll=False)
-    return lm_logits(params, cfg, x), _features(cfg, xs_in)
+    (x, _), ys = sched.run_layers(layer, (embed(params, tokens), _empty_sel(cfg, B, S)), params["layers"],
+                                  flags, unroll=False)
+    if with_selection:
+        return lm_logits(params, cfg, x), _features(cfg, ys[0]), ys[1]
+    return lm_logits(params, cfg, x), _features(cfg, ys)

@@ -207,6 +207,7 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     jax.block_until_ready(st.root_hidden)
     t1 = time.perf_counter()
     per_round, trace, r_total = [], [], 0
+    observe_s, switch_s = [], []  # the planner's own host time, per chunk without / with a switch
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -224,7 +225,10 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         r_total += r
         if bar is not None:
             bar.update(int(h.sum(0).max()) if r else 0)
+        tp = time.perf_counter()
+        n_sw = len(planner.switches)
         pol = planner.observe(pol, h, context=int(np.asarray(st.tcache.length).max()))
+        (switch_s if len(planner.switches) > n_sw else observe_s).append(time.perf_counter() - tp)
     if bar is not None:
         bar.close()
     t2 = time.perf_counter()
@@ -235,7 +239,9 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
             tokens[b, n_out[b]:] = eos_id
     tau = float(np.mean(per_round)) if per_round else 0.0
     stats = dict(method="ssv", rounds=r_total, accepted_per_round=per_round, tau=tau, policy_trace=trace,
-                 switches=planner.switches, prefill_s=t1 - t0, decode_s=t2 - t1,
+                 switches=planner.switches, prefill_s=t1 - t0,
+                 planner_us_per_chunk=1e6 * float(np.mean(observe_s)) if observe_s else 0.0,
+                 planner_us_per_switch=1e6 * float(np.mean(switch_s)) if switch_s else None, decode_s=t2 - t1,
                  tokens_per_s=(tokens.shape[1] - 1) / max(t2 - t1, 1e-9), policy=trace[0]["policy"] if trace else
                  pol.describe())
     return GenerateResult(tokens, stats)

@@ -1,0 +1,106 @@
+"""Offline profiler for the planner: run candidate SSV policies on representative prompts per context bucket and
+write the versioned ranking JSON that `policy="auto"` reads (DESIGN.md, "Planner").
+
+    python scripts/profile_policies.py --checkpoint checkpoints/ssv-small --contexts 4096 8192 16384 \
+        --out docs/results/policy_profile.json
+    python scripts/profile_policies.py --random-preset tiny --contexts 256 --new-tokens 24 --out /tmp/prof.json
+
+Each policy runs once per prompt to compile, then once timed. tokens/s counts the emitted tokens over the
+decode time (prefill excluded); round_ms is the decode time per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import time
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from ssv_jax.generate_cli import load_model
+from ssv_jax.planner import bucket_of, save_profile
+from ssv_jax.policy import SSVPolicy
+from ssv_jax.speculative import ssv_generate
+
+
+def candidate_policies(trees, orders, modes, group_sizes, schedules, backend) -> list[SSVPolicy]:
+    """The cross product of the given options, in the weakest precision class each allows."""
+    out = []
+    for (k, d, b), order, mode, C, P in itertools.product(trees, orders, modes, group_sizes, schedules):
+        precision = "approx" if mode == "B" else ("exact" if P == 1 else "strict")
+        try:
+            p = SSVPolicy(top_k=k, depth=d, budget=b, order=order, mode=mode, group_size=C, schedule=P,
+                          precision=precision, backend=backend)
+        except ValueError as e:
+            print(f"skipping an invalid combination: {e}")
+            continue
+        if backend == "kernel" and b % C:
+            continue
+        out.append(p)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--random-preset", default=None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--trees", default="1,4,5;4,4,16;4,6,32", help="top_k,depth,budget triples separated by ;")
+    ap.add_argument("--orders", nargs="+", default=["dfs"])
+    ap.add_argument("--modes", nargs="+", default=["A"])
+    ap.add_argument("--group-sizes", type=int, nargs="+", default=[4])
+    ap.add_argument("--schedules", type=int, nargs="+", default=[1])
+    ap.add_argument("--backend", default="reference", choices=["reference", "kernel"])
+    ap.add_argument("--out", default="docs/results/policy_profile.json")
+    a = ap.parse_args(argv)
+
+    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0))
+    trees = [tuple(int(x) for x in t.split(",")) for t in a.trees.split(";")]
+    cands = candidate_policies(trees, a.orders, a.modes, a.group_sizes, a.schedules, a.backend)
+    rng = np.random.default_rng(0)
+    buckets, used = {}, []
+    for ctx in a.contexts:
+        prompts = []
+        if tok is not None:
+            from ssv_jax import data
+
+            for rel, text in data.iter_documents("test"):
+                ids = tok.encode(text)
+                if len(ids) >= ctx:
+                    prompts.append(np.asarray(ids[:ctx], np.int32))
+                    used.append(dict(context=ctx, file=rel))
+                if len(prompts) == a.prompts:
+                    break
+        while len(prompts) < a.prompts:
+            prompts.append(rng.integers(0, m.cfg.vocab_size, ctx).astype(np.int32))
+            used.append(dict(context=ctx, file="random tokens"))
+        rows = []
+        for pol in tqdm(cands, desc=f"profile {ctx}", unit="policy"):
+            tps, taus, round_ms = [], [], []
+            for p in prompts:
+                kw = dict(max_new_tokens=a.new_tokens, policy=pol, prefill_chunk=512)
+                ssv_generate(m, p, **kw)  # compile
+                r = ssv_generate(m, p, **kw)
+                tps.append(r.stats["tokens_per_s"])
+                taus.append(r.stats["tau"])
+                round_ms.append(1e3 * r.stats["decode_s"] / max(r.stats["rounds"], 1))
+            rows.append(dict(policy=pol.to_dict(), tokens_per_s=float(np.mean(tps)), tau=float(np.mean(taus)),
+                             verify_ms=float(np.mean(round_ms)), round_ms=float(np.mean(round_ms))))
+        buckets[bucket_of(ctx)] = rows
+    hw = f"{jax.devices()[0].device_kind} ({platform.machine()}, jax {jax.__version__})"
+    prof = save_profile(a.out, buckets, hardware=hw, model=m.cfg.name, prompts=used,
+                        extra=dict(model_source=desc, new_tokens=a.new_tokens,
+                                   note="verify_ms is the whole round time (draft + verify + commit)"))
+    for b, rows in prof["buckets"].items():
+        best = rows[0]
+        print(f"{b}: best {SSVPolicy.from_dict(best['policy']).describe()}  {best['tokens_per_s']:.1f} tok/s  "
+              f"tau {best['tau']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
