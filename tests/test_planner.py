@@ -118,3 +118,28 @@ def test_invalid_class_and_policy_are_rejected(profile):
         Planner.from_profile(load_profile(profile), "lossy")
     with pytest.raises(ValueError, match="auto"):
         Planner.for_policy("fastest", CFG)
+
+
+def test_ssv_generate_switches_policy_online_and_records_the_trace(profile):
+    """A random draft accepts ~1 token per round; the profile predicts 4: the planner must switch after the first
+    chunk, and the greedy output stays AR's (both policies are class exact)."""
+    import jax
+
+    from ssv_jax import draft as dr
+    from ssv_jax import model as M
+    from ssv_jax.generate import ar_generate
+    from ssv_jax.speculative import SSVModel, ssv_generate
+
+    cfg = get_config("tiny", max_seq_len=512)
+    params = M.init_params(cfg, jax.random.key(0))
+    dcfg = dr.DraftConfig.for_target(cfg)
+    m = SSVModel(cfg, params, dcfg, dr.init_draft_params(dcfg, jax.random.key(1)))
+    prompt = np.asarray(jax.random.randint(jax.random.key(2), (1, 100), 0, cfg.vocab_size))
+    planner = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
+    res = ssv_generate(m, prompt, max_new_tokens=24, policy="auto", planner=planner, chunk_rounds=4,
+                       prefill_chunk=64)
+    trace = res.stats["policy_trace"]
+    assert trace[0]["policy"] == P_BIG.describe() and trace[1]["policy"] == P_MID.describe()
+    assert res.stats["switches"][0]["reason"] == "drift"
+    assert res.stats["planner_us_per_switch"] is not None and res.stats["planner_us_per_chunk"] >= 0
+    np.testing.assert_array_equal(res.tokens, ar_generate((cfg, params), prompt, 24, prefill_chunk=64).tokens)
