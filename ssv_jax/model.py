@@ -183,7 +183,7 @@ def _chunked_attn(ctx: Ctx, q_chunk: int, q, gates, k, v, kc, vc, kv_len, sel):
 def _layer_view(stack, li, attn):
     """Layer li of a stacked cache: an in-place `nsa.LayerKV` view for attention functions that read it through
     gathers (the jnp reference), else the sliced array (Pallas kernels take plain arrays)."""
-    if getattr(attn, "reads_layer_views", False):
+    if getattr(getattr(attn, "func", attn), "reads_layer_views", False):  # look through functools.partial
         return nsa.LayerKV(stack, li)
     return stack[li]
 
