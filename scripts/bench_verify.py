@@ -77,7 +77,6 @@ def main(argv=None):
     interpret = jax.default_backend() == "cpu"
     params = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
     dparams = jax.jit(lambda k: dr.init_draft_params(dcfg, k, jnp.bfloat16))(jax.random.key(1))
-    m = SSVModel(cfg, params, dcfg, dparams)
     tree64 = dict(top_k=8, depth=6, budget=64)
     tree16 = dict(top_k=4, depth=4, budget=16)
     meta = dict(preset=a.preset, device=dev.device_kind, jax=jax.__version__, dtype="bfloat16", batch=1)
@@ -94,10 +93,13 @@ def main(argv=None):
                             jax.random.normal(jax.random.key(4), (1, cfg.hidden), jnp.bfloat16),
                             jnp.full((1, 4096), -1, jnp.int32), jnp.ones((1,), jnp.int32), jnp.zeros((1,), bool))
             eos = jnp.int32(-2)
-            f_draft = jax.jit(lambda s: ssv_round(m, pol, 0.0, s, jax.random.key(0), eos, 4000, phase="draft").tokens)
-            f_verify = jax.jit(lambda s: ssv_round(m, pol, 0.0, s, jax.random.key(0), eos, 4000, phase="verify"))
-            t_draft = host_time(f_draft, st)
-            t_dv = host_time(f_verify, st)
+            # parameters travel as arguments: a closure would embed 16 GB of weights as compile-time constants
+            f_draft = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s, jax.random.key(0),
+                                                         eos, 4000, phase="draft").tokens)
+            f_verify = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s,
+                                                          jax.random.key(0), eos, 4000, phase="verify"))
+            t_draft = host_time(f_draft, params, dparams, st)
+            t_dv = host_time(f_verify, params, dparams, st)
             # whole rounds: a chunk of `rounds` rounds in one while_loop, per round
             run = lambda s: _ssv_chunk(params, dparams, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg, policy=pol,
                                        temperature=0.0, rounds=a.rounds, max_new=4000)
@@ -147,7 +149,7 @@ def main(argv=None):
         iters = 32
 
         def loop(refresh):
-            def run(sel):
+            def run(sel, qs, gs, Kl, Vl, KCl, VCl):
                 def body(i, acc):
                     q, g = qs[i % R], gs[i % R]
                     o, _ = attn(q, pos, g, Kl, Vl, KCl, VCl, tc.length, cfg, sel=None if refresh else sel)
@@ -155,19 +157,20 @@ def main(argv=None):
                 return jax.lax.fori_loop(0, iters, body, 0.0)
             return jax.jit(run)
 
-        t_ref = host_time(loop(True), sel0) / iters
-        t_reu = host_time(loop(False), sel0) / iters
+        args = (sel0, qs, gs, Kl, Vl, KCl, VCl)
+        t_ref = host_time(loop(True), *args) / iters
+        t_reu = host_time(loop(False), *args) / iters
         for P in a.periods:
             flags = sched.parse(P, cfg.n_layers)
             nR = sum(flags)
             tree = M.TreeInputs(jax.random.randint(kq[2], (1, N), 0, cfg.vocab_size),
                                 jnp.minimum(jnp.arange(N), spec["depth"])[None].astype(jnp.int32),
                                 jnp.broadcast_to(jnp.tril(jnp.ones((N, N), bool))[None], (1, N, N)))
-            fwd = jax.jit(lambda tr: M.forward_tree(params, cfg, tr, tc, schedule=P, attn=attn)[0])
+            fwd = jax.jit(lambda p, tr, c: M.forward_tree(p, cfg, tr, c, schedule=P, attn=attn)[0])
             t0 = time.perf_counter()
-            jax.block_until_ready(fwd(tree))
+            jax.block_until_ready(fwd(params, tree, tc))
             compile_s = time.perf_counter() - t0
-            t_fwd = host_time(fwd, tree, reps=5)
+            t_fwd = host_time(fwd, params, tree, tc, reps=5)
             row = dict(tree=spec, P=P, schedule=sched.to_string(flags), n_refresh=nR, n_reuse=cfg.n_layers - nR,
                        attn_refresh_layer_us=t_ref * 1e3, attn_reuse_layer_us=t_reu * 1e3,
                        verify_attention_ms=(nR * t_ref + (cfg.n_layers - nR) * t_reu),
