@@ -69,7 +69,16 @@ def _oracle_builder(sequence: np.ndarray, prompt_len: int):
     return build
 
 
-def test_long_accepted_paths_with_an_oracle_draft(ar_tokens, monkeypatch):
+@pytest.fixture
+def fresh_round_cache():
+    """The round loop is jit-cached per policy: drop compiled rounds so a patched drafter is traced, and again
+    afterwards so no other test reuses a round compiled with the patch."""
+    spec._ssv_chunk.clear_cache()
+    yield
+    spec._ssv_chunk.clear_cache()
+
+
+def test_long_accepted_paths_with_an_oracle_draft(ar_tokens, monkeypatch, fresh_round_cache):
     monkeypatch.setattr(spec.tr, "build_tree", _oracle_builder(ar_tokens[0], PROMPT.shape[1]))
     res = _ssv(SSVPolicy(**TREE, order="dfs"))
     np.testing.assert_array_equal(res.tokens, ar_tokens)
