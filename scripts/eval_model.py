@@ -10,7 +10,9 @@
 * tau (mean tokens emitted per verify round: accepted drafts + the bonus token) at temperatures 0 and 1, for
   each context length in --contexts, with a chain policy (top_k=1) and a tree policy (<= 32 nodes), through
   `ssv_jax.speculative.ssv_generate` (imported lazily; skipped with a note when it is unavailable or the bundle
-  has no draft head). Prompts are the last `context` tokens of the concatenated held-out test stream.
+  has no draft head). Prompts are the last `context` tokens of the concatenated held-out test stream (so all
+  contexts share the same ending); a context that does not fit max_seq_len with the generation room is clipped
+  to the largest that does, and both numbers are recorded.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ssv_jax import checkpoint as ckpt  # noqa: E402
 from ssv_jax import data as D  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+PREFILL_CHUNK = 512
 
 
 def held_out_tokens(tok, max_files: int | None = None) -> D.TokenizedSplit:
@@ -77,27 +80,34 @@ def policies():
 
 
 def measure_tau(bundle, test: D.TokenizedSplit, contexts, temperatures, new_tokens: int, seed: int,
-                progress: bool) -> list[dict]:
-    """tau for every (context, temperature, policy); prompts are the last `context` held-out tokens."""
+                progress: bool, on_row=None) -> list[dict]:
+    """tau for every (context, temperature, policy); prompts are the last `context` held-out tokens.
+    `on_row(rows)` is called after each measurement (the script rewrites its JSON, so partial runs keep data)."""
     from ssv_jax.speculative import ssv_generate
 
     rows = []
-    for ctx in contexts:
-        if ctx + new_tokens + 64 > bundle.cfg.max_seq_len or ctx >= len(test):
-            rows.append({"context": ctx, "skipped": f"context {ctx} does not fit max_seq_len "
-                                                    f"{bundle.cfg.max_seq_len} or the held-out stream"})
-            continue
+    depth = max(p.depth for p in policies().values())
+    # ssv_generate needs room for a padded prefill chunk, the new tokens and two trees past the prompt.
+    fit = bundle.cfg.max_seq_len - PREFILL_CHUNK - new_tokens - 2 * (depth + 2)
+    for requested in contexts:
+        ctx = min(requested, fit, len(test))
+        if ctx < 1:
+            raise ValueError(f"--new-tokens={new_tokens} leaves no room for a prompt; accepted: fewer tokens")
+        if ctx != requested:
+            print(f"[eval] context {requested} clipped to {ctx} (max_seq_len {bundle.cfg.max_seq_len})", flush=True)
         prompt = test.tokens[len(test) - ctx:].astype(np.int32)
         for temp in temperatures:
             for name, pol in policies().items():
                 t0 = time.time()
                 res = ssv_generate(bundle, prompt, max_new_tokens=new_tokens, policy=pol, temperature=temp,
-                                   seed=seed, progress=progress)
+                                   seed=seed, progress=progress, prefill_chunk=PREFILL_CHUNK)
                 st = res.stats
-                rows.append({"context": ctx, "temperature": temp, "policy_name": name, "policy": st.get("policy"),
+                rows.append({"context_requested": requested, "context": ctx, "temperature": temp, "policy_name": name, "policy": st.get("policy"),
                              "tau": st["tau"], "rounds": st["rounds"], "new_tokens": int(res.tokens.shape[1]),
                              "tokens_per_s": st.get("tokens_per_s"), "wall_s": time.time() - t0})
                 print(f"[eval] ctx {ctx} T={temp} {name}: tau {st['tau']:.3f} over {st['rounds']} rounds", flush=True)
+                if on_row is not None:
+                    on_row(rows)
     return rows
 
 
@@ -122,11 +132,21 @@ def main(argv=None) -> dict:
     progress = not args.no_progress
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     b = ckpt.load_bundle(args.bundle, dtype=dtype)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(d):
+        out_path.write_text(json.dumps(d, indent=1))
+
     if b.tokenizer is None:
         raise ValueError(f"bundle {args.bundle!r} has no tokenizer; accepted: a bundle from train_target.py")
     test = held_out_tokens(b.tokenizer)
     t0 = time.time()
-    out = {"bundle": str(args.bundle), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+    try:
+        bundle_name = str(Path(args.bundle).resolve().relative_to(ROOT))
+    except ValueError:
+        bundle_name = str(args.bundle)
+    out = {"bundle": bundle_name, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "python": platform.python_version(), "dtype": args.dtype,
            "held_out": {"files": test.n_docs, "tokens": len(test)},
            "perplexity": perplexity(b.cfg, b.params, test, args.seq_len, args.ppl_windows, progress)}
@@ -134,7 +154,9 @@ def main(argv=None) -> dict:
           f"({out['perplexity']['tokens_scored']} tokens)", flush=True)
     out["training"] = ckpt.read_bundle_meta(args.bundle).get("meta", {})
     for v in out["training"].values():
-        v.pop("history", None) if isinstance(v, dict) else None
+        if isinstance(v, dict):
+            v.pop("history", None)
+    write(out)
     if args.no_tau:
         out["tau"] = {"skipped": "--no-tau"}
     elif b.draft_params is None:
@@ -147,10 +169,12 @@ def main(argv=None) -> dict:
         else:
             contexts = [int(c) for c in args.contexts.split(",") if c]
             temps = [float(t) for t in args.temperatures.split(",") if t]
-            out["tau"] = measure_tau(b, test, contexts, temps, args.new_tokens, args.seed, progress)
+            out["tau_settings"] = {"new_tokens": args.new_tokens, "seed": args.seed,
+                                   "prompts": "the last <context> tokens of the held-out test stream"}
+            out["tau"] = measure_tau(b, test, contexts, temps, args.new_tokens, args.seed, progress,
+                                     on_row=lambda rows: write(dict(out, tau=rows)))
     out["wall_s"] = time.time() - t0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write(out)
     print(f"[eval] wrote {args.out}", flush=True)
     return out
 
