@@ -1,0 +1,102 @@
+"""End-to-end tokens/s of every method in one harness, on held-out prompts (GPU; runs on CPU at small sizes).
+
+    python scripts/bench_e2e.py --checkpoint checkpoints/ssv-small --contexts 4096 8192 16384 \
+        --out docs/results/e2e_h200.json
+    python scripts/bench_e2e.py --random-preset tiny --contexts 256 --new-tokens 16 --out /tmp/e2e.json
+
+Methods: AR NSA; naive SD+NSA (per-query kernel, no grouping, no reuse); SSV with a fixed policy (the best
+fixed one given, kernel path); SSV with the planner (policy "auto"); dense EAGLE-3 SD (the same weights with
+dense attention). Each method runs once per prompt to compile, then once timed; tokens/s excludes prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from ssv_jax.generate import ar_generate
+from ssv_jax.generate_cli import load_model
+from ssv_jax.policy import SSVPolicy
+from ssv_jax.speculative import ssv_generate
+
+
+def held_out_prompts(tok, vocab: int, ctx: int, n: int, seed: int = 0):
+    """n prompts of ctx tokens from held-out stdlib files (random ids without a tokenizer): [(name, ids)]."""
+    out = []
+    if tok is not None:
+        from ssv_jax import data
+
+        for rel, text in data.iter_documents("test"):
+            ids = tok.encode(text)
+            if len(ids) >= ctx:
+                out.append((rel, np.asarray(ids[:ctx], np.int32)))
+            if len(out) == n:
+                return out
+    rng = np.random.default_rng(seed)
+    while len(out) < n:
+        out.append(("random tokens", rng.integers(0, vocab, ctx).astype(np.int32)))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--random-preset", default=None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--tree", type=int, nargs=3, default=[4, 5, 16], metavar=("TOP_K", "DEPTH", "BUDGET"))
+    ap.add_argument("--backend", default="kernel", choices=["kernel", "reference"],
+                    help="the SSV attention path (naive SD+NSA always uses the per-query kernel)")
+    ap.add_argument("--methods", nargs="+", default=["ar", "naive", "ssv", "ssv_planner", "dense_sd"])
+    ap.add_argument("--out", default="docs/results/e2e_h200.json")
+    a = ap.parse_args(argv)
+
+    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0))
+    k, d, b = a.tree
+    fixed = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend)
+    runs = {
+        "ar": lambda p: ar_generate((m.cfg, m.params), p, a.new_tokens),
+        "naive": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=fixed.replace(backend="naive")),
+        "ssv": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=fixed),
+        "ssv_planner": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy="auto"),
+        "dense_sd": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=fixed.replace(backend="dense")),
+    }
+    unknown = sorted(set(a.methods) - set(runs))
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; accepted: {sorted(runs)}")
+    rows = []
+    for ctx in a.contexts:
+        for name, p in held_out_prompts(tok, m.cfg.vocab_size, ctx, a.prompts):
+            for meth in tqdm(a.methods, desc=f"{ctx} {name}", unit="method"):
+                runs[meth](p)  # compile
+                r = runs[meth](p)
+                s = r.stats
+                rows.append(dict(context=ctx, prompt=name, method=meth, tokens_per_s=s["tokens_per_s"],
+                                 tau=s.get("tau", 1.0), rounds=s.get("rounds", s.get("steps")),
+                                 decode_s=s["decode_s"], prefill_s=s["prefill_s"], policy=s.get("policy"),
+                                 switches=len(s.get("switches", []))))
+    summary = {}
+    for ctx in a.contexts:
+        ar = np.mean([r["tokens_per_s"] for r in rows if r["context"] == ctx and r["method"] == "ar"] or [np.nan])
+        for meth in a.methods:
+            v = [r["tokens_per_s"] for r in rows if r["context"] == ctx and r["method"] == meth]
+            summary[f"{ctx}/{meth}"] = dict(tokens_per_s=float(np.mean(v)), speedup_vs_ar=float(np.mean(v) / ar),
+                                            tau=float(np.mean([r["tau"] for r in rows
+                                                               if r["context"] == ctx and r["method"] == meth])))
+    res = dict(benchmark="e2e", model=desc, device=jax.devices()[0].device_kind, host=platform.node(),
+               jax=jax.__version__, new_tokens=a.new_tokens, fixed_policy=fixed.describe(), rows=rows,
+               summary=summary, timing="host wall clock of the decode loop after a compile run; prefill excluded")
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=2)
+    for key, v in summary.items():
+        print(f"{key:28s} {v['tokens_per_s']:9.1f} tok/s  x{v['speedup_vs_ar']:.2f} vs AR  tau {v['tau']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
