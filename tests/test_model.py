@@ -67,9 +67,12 @@ def test_incremental_compressed_cache_equals_recomputed(compression):
         np.testing.assert_allclose(np.asarray(cache.kc[li, :, :n]), np.asarray(ref[:, :n]), rtol=1e-5, atol=1e-6)
 
 
-def _tree(parents):
+def _prefilled_tree(seed: int, T: int, parents):
+    """A random committed context of T tokens in a fresh cache and a random-token tree with the given parents:
+    (cache, TreeInputs, node tokens, depth, ancestor-or-self mask)."""
+    r = np.random.default_rng(seed)
     N = len(parents)
-    depth = [0] * N
+    depth = np.zeros(N, np.int32)
     mask = np.zeros((N, N), bool)
     for i in range(N):
         depth[i] = 0 if parents[i] < 0 else depth[parents[i]] + 1
@@ -77,21 +80,19 @@ def _tree(parents):
         while j >= 0:
             mask[i, j] = True
             j = parents[j]
-    return np.array(depth), mask
+    ctx = r.integers(0, CFG.vocab_size, (1, T))
+    node_tok = r.integers(0, CFG.vocab_size, N)
+    _, _, cache = M.prefill(PARAMS, CFG, ctx, kvc.init_cache(CFG, 1, 256), chunk=64)
+    tree = M.TreeInputs(jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(depth[None]), jnp.asarray(mask[None]))
+    return cache, tree, node_tok, depth, mask
 
 
 @pytest.mark.parametrize("T", [100, 143, 159])
 def test_verify_mode_equals_ar_on_every_path(T):
     """Every node's logits equal the AR logits after appending its root-to-node path (mode A, refresh always),
     including paths that complete compressed blocks (d=8) and cross selection blocks (l'=32)."""
-    r = np.random.default_rng(T)
-    ctx = r.integers(0, CFG.vocab_size, (1, T))
     parents = [-1, 0, 0, 1, 1, 2, 3, 4, 6, 8, 9, 10, 11, 12, 13, 14]
-    depth, mask = _tree(parents)
-    node_tok = r.integers(0, CFG.vocab_size, len(parents))
-    _, _, cache = M.prefill(PARAMS, CFG, ctx, kvc.init_cache(CFG, 1, 256), chunk=64)
-    tree = M.TreeInputs(jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(depth[None], jnp.int32),
-                        jnp.asarray(mask[None]))
+    cache, tree, node_tok, depth, mask = _prefilled_tree(T, T, parents)
     logits, feats, _, _ = M.forward_tree(PARAMS, CFG, tree, cache)
     for a in range(len(parents)):
         c = jax.tree.map(jnp.copy, cache)
@@ -102,14 +103,7 @@ def test_verify_mode_equals_ar_on_every_path(T):
 
 
 def test_commit_tree_equals_decoding_the_path():
-    r = np.random.default_rng(9)
-    ctx = r.integers(0, CFG.vocab_size, (1, 117))
-    parents = [-1, 0, 1, 2, 0, 4, 5, 6, 7]
-    depth, mask = _tree(parents)
-    node_tok = r.integers(0, CFG.vocab_size, len(parents))
-    _, _, cache = M.prefill(PARAMS, CFG, ctx, kvc.init_cache(CFG, 1, 256), chunk=64)
-    tree = M.TreeInputs(jnp.asarray(node_tok[None], jnp.int32), jnp.asarray(depth[None], jnp.int32),
-                        jnp.asarray(mask[None]))
+    cache, tree, node_tok, _, _ = _prefilled_tree(9, 117, [-1, 0, 1, 2, 0, 4, 5, 6, 7])
     _, _, nk, nv = M.forward_tree(PARAMS, CFG, tree, cache)
     path = np.array([[0, 4, 5, 6, 7, -1]])
     ref_cache = jax.tree.map(jnp.copy, cache)
