@@ -98,8 +98,11 @@ def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, *, steps: 
 
 def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                 eos_id: int | None = None, *, schedule=None, attn=nsa.nsa_attention, chunk_steps: int = 64,
-                prefill_chunk: int = 512, cache_dtype=None, progress: bool = False) -> GenerateResult:
+                prefill_chunk: int = 512, cache_dtype=None, progress: bool = False, mesh=None) -> GenerateResult:
     """Autoregressive NSA decoding (optionally under a refresh/reuse `schedule`, the SSV model variant).
+
+    `mesh` (a `jax.sharding.Mesh` with axis "tp", see `ssv_jax.sharding`) shards params and cache over KV heads;
+    the default runs on one device.
 
     Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
     cfg, params = unpack_target(model)
@@ -108,6 +111,11 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     B, P = prompt.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
     cache = kvc.init_cache(cfg, B, P + max_new_tokens + prefill_chunk, dtype)
+    if mesh is not None:
+        from ssv_jax import sharding
+
+        params, cache = sharding.place(params, cfg, cache, mesh)
+        attn = sharding.attention_on(attn, mesh)
     key_first, key = jax.random.split(jax.random.key(seed))
     t0 = time.perf_counter()
     logits, _, cache = M.prefill(params, cfg, prompt, cache, chunk=prefill_chunk, schedule=schedule, attn=attn,

@@ -70,7 +70,7 @@ def _on_cpu() -> bool:
 
 
 def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState, key, eos, max_new: int,
-              phase: str = "all"):
+              phase: str = "all", mesh=None):
     """One draft -> verify -> accept -> commit round (traced; call inside jit). `phase` is "all" in generation;
     the benchmarks use "draft" / "verify" to time the stages. Returns (new state, emitted count [B])."""
     cfg, dcfg = m.cfg, m.draft_cfg
@@ -83,6 +83,9 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     if phase == "draft":
         return tree
     attn = attention_for(policy.backend, policy.mode, policy.group_size, _on_cpu())
+    if mesh is not None:
+        from ssv_jax.sharding import attention_on
+        attn = attention_on(attn, mesh)
     logits, feats, nk, nv = M.forward_tree(m.params, cfg, M.TreeInputs(tree.tokens, tree.depth, tree.mask),
                                            st.tcache, schedule=policy.schedule, attn=attn)
     if phase == "verify":
@@ -112,10 +115,10 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     return new, count
 
 
-@partial(jax.jit, static_argnames=("cfg", "dcfg", "policy", "temperature", "rounds", "max_new"),
+@partial(jax.jit, static_argnames=("cfg", "dcfg", "policy", "temperature", "rounds", "max_new", "mesh"),
          donate_argnames=("st",))
 def _ssv_chunk(params, dparams, st: RoundState, key, eos, *, cfg, dcfg, policy: SSVPolicy, temperature: float,
-               rounds: int, max_new: int):
+               rounds: int, max_new: int, mesh=None):
     """Up to `rounds` rounds in one while_loop; returns (state, emitted per round [rounds, B], rounds run)."""
     B = st.root_token.shape[0]
     m = SSVModel(cfg, params, dcfg, dparams)
@@ -126,7 +129,7 @@ def _ssv_chunk(params, dparams, st: RoundState, key, eos, *, cfg, dcfg, policy: 
 
     def body(c):
         r, st, hist = c
-        st, count = ssv_round(m, policy, temperature, st, jax.random.fold_in(key, r), eos, max_new)
+        st, count = ssv_round(m, policy, temperature, st, jax.random.fold_in(key, r), eos, max_new, mesh=mesh)
         return r + 1, st, hist.at[r].set(count)
 
     r, st, hist = jax.lax.while_loop(cond, body, (0, st, jnp.zeros((rounds, B), jnp.int32)))
@@ -165,8 +168,7 @@ def ssv_prefill(m: SSVModel, prompt: np.ndarray, tcache, dcache, temperature: fl
 
 def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", temperature: float = 0.0,
                  seed: int = 0, eos_id: int | None = None, chunk_rounds: int = 16, prefill_chunk: int = 512,
-                 planner=None, cache_dtype=None, progress: bool = False, time_phases: bool = False
-                 ) -> GenerateResult:
+                 planner=None, cache_dtype=None, progress: bool = False, mesh=None) -> GenerateResult:
     """Generate with Sparse Speculative Verification.
 
     Args:
@@ -176,6 +178,8 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
       temperature: 0 for greedy, else lossless stochastic acceptance at that temperature.
       eos_id: stop a row after it emits this id.
       planner: an `ssv_jax.planner.Planner` (default: one built for "auto").
+      mesh: a `jax.sharding.Mesh` with axis "tp" (`ssv_jax.sharding.make_mesh`): tensor parallelism over KV
+        heads; default one device.
     Returns `GenerateResult(tokens [B, n], stats)`; stats: rounds, accepted_per_round (tokens emitted per round:
     accepted drafts + bonus), tau (their mean), policy_trace, prefill_s, decode_s, tokens_per_s.
     """
@@ -196,6 +200,12 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     room = P + prefill_chunk + max_new_tokens + 2 * (max_depth + 2)
     tcache = kvc.init_cache(cfg, B, room, dtype)
     dcache = dr.init_draft_cache(m.draft_cfg, B, dtype, max_len=tcache.capacity)
+    if mesh is not None:
+        from ssv_jax import sharding
+
+        params, tcache = sharding.place(m.params, cfg, tcache, mesh)
+        m = SSVModel(cfg, params, m.draft_cfg, sharding.replicate(m.draft_params, mesh))
+        dcache = sharding.replicate(dcache, mesh)
     key_first, key = jax.random.split(jax.random.key(seed))
     t0 = time.perf_counter()
     tcache, dcache, first, hidden = ssv_prefill(m, prompt, tcache, dcache, float(temperature), key_first,
@@ -216,7 +226,7 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         tc = time.perf_counter()
         st, hist, r = _ssv_chunk(m.params, m.draft_params, st, jax.random.fold_in(key, r_total), eos, cfg=cfg,
                                  dcfg=m.draft_cfg, policy=pol, temperature=float(temperature), rounds=chunk_rounds,
-                                 max_new=max_new_tokens)
+                                 max_new=max_new_tokens, mesh=mesh)
         r = int(r)
         h = np.asarray(hist)[:r]
         per_round.extend(h.mean(1).tolist())
