@@ -107,3 +107,27 @@ def test_train_checkpointer_resumes(tmp_path):
     assert step == 9 and int(got["step"]) == 8
     assert np.array_equal(got["params"]["embed"], _params()["embed"] + 1)
     assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()] == ["9"]
+
+
+def test_bundled_checkpoint_loads_and_matches_the_small_preset():
+    from pathlib import Path
+
+    from ssv_jax import draft as DR
+    from ssv_jax.model import param_shapes
+
+    path = Path(__file__).resolve().parents[1] / "checkpoints" / "ssv-small"
+    meta = ck.read_bundle_meta(path)
+    assert meta["dtype"] == "bfloat16"
+    assert sum(f.stat().st_size for f in path.iterdir() if f.name != "README.md") <= 60e6
+    b = ck.load_bundle(path, dtype=None)
+    small = get_config("small")
+    assert b.cfg.to_dict() == small.to_dict()
+    shapes = jax.tree.map(lambda a: tuple(a.shape), b.params)
+    assert shapes == param_shapes(small)
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(b.params))
+    DR.check_compatible(b.draft_cfg, b.cfg)
+    assert b.tokenizer.vocab_size == small.vocab_size
+    text = "def f(x):\n    return x\n"
+    assert b.tokenizer.decode(b.tokenizer.encode(text)) == text
+    for k in ("target_training", "draft_training"):
+        assert meta["meta"][k]["steps"] > 0 and np.isfinite(meta["meta"][k]["val_loss"])
