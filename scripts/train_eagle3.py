@@ -40,21 +40,6 @@ from ssv_jax import data as D  # noqa: E402
 from ssv_jax import draft as DR  # noqa: E402
 
 
-def _nan_safe_block_stats(qg, k, v, mask):
-    """`draft._block_stats` with the same forward values, but a fully masked row no longer gives NaN gradients:
-    the draft module computes where(mask, exp(s - m), 0), whose cotangent is 0 * inf = NaN when m = -1e30
-    (an empty cache part, or a key chunk entirely after a query). Here the exponent is masked before exp."""
-    s = jnp.einsum("bmhgd,bshd->bhgms", qg, k.astype(jnp.float32))
-    mk = mask[:, None, None]
-    m = jnp.max(jnp.where(mk, s, -1e30), axis=-1)
-    e = jnp.exp(jnp.where(mk, s - m[..., None], -jnp.inf))
-    return m, jnp.sum(e, axis=-1), jnp.einsum("bhgms,bshd->bmhgd", e, v.astype(jnp.float32))
-
-
-if hasattr(DR, "_block_stats"):  # training needs finite gradients; inference is unaffected (same forward)
-    DR._block_stats = _nan_safe_block_stats
-
-
 def draft_vocab_ids(train_tokens: np.ndarray, vocab_size: int, n: int, eos_id: int) -> np.ndarray:
     """The `n` most frequent target ids of the training tokens (ties by id), EOS included, sorted ascending."""
     if not isinstance(n, int) or not 1 <= n <= vocab_size:

@@ -252,11 +252,12 @@ DENSE_SCORES_MAX = 1 << 27
 
 def _block_stats(qg, k, v, mask):
     """Softmax statistics of one key block: running max m, sum l [B, Hkv, G, M] and weighted values
-    acc [B, M, Hkv, G, D], with fully masked rows giving m = -1e30, l = 0, acc = 0."""
+    acc [B, M, Hkv, G, D], with fully masked rows giving m = -1e30, l = 0, acc = 0. The exponent is masked
+    before exp, so a fully masked row has zero (not NaN) gradients: exp(s - (-1e30)) would overflow."""
     s = jnp.einsum("bmhgd,bshd->bhgms", qg, k.astype(jnp.float32))
     mk = mask[:, None, None]
     m = jnp.max(jnp.where(mk, s, -1e30), axis=-1)
-    e = jnp.where(mk, jnp.exp(s - m[..., None]), 0.0)
+    e = jnp.exp(jnp.where(mk, s - m[..., None], -jnp.inf))
     return m, jnp.sum(e, axis=-1), jnp.einsum("bhgms,bshd->bmhgd", e, v.astype(jnp.float32))
 
 

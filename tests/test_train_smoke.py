@@ -127,7 +127,7 @@ def test_ttt_matches_inference_chain():
 
 def test_dense_training_attention_equals_reference():
     """The dense-masked training attention gives the reference NSA forward and gradients (tiny preset)."""
-    from train_target import dense_nsa_attention
+    from ssv_jax.nsa import nsa_attention_dense as dense_nsa_attention
 
     from ssv_jax import model as M
     from ssv_jax.config import get_config
