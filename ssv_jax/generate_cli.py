@@ -79,6 +79,8 @@ def default_prompt(tok, n_tokens: int) -> tuple[str, str]:
     from ssv_jax import data
 
     for rel, text in data.iter_documents("test"):
+        if os.path.basename(rel).startswith("_"):  # generated or private modules (e.g. _sysconfigdata): not code
+            continue
         ids = tok.encode(text)
         if len(ids) >= n_tokens + 16:
             return rel, tok.decode(ids[:n_tokens])
