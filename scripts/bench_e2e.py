@@ -20,27 +20,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ssv_jax.generate import ar_generate
-from ssv_jax.generate_cli import load_model
+from ssv_jax.generate_cli import load_model, prompts
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import ssv_generate
-
-
-def held_out_prompts(tok, vocab: int, ctx: int, n: int, seed: int = 0):
-    """n prompts of ctx tokens from held-out stdlib files (random ids without a tokenizer): [(name, ids)]."""
-    out = []
-    if tok is not None:
-        from ssv_jax import data
-
-        for rel, text in data.iter_documents("test"):
-            ids = tok.encode(text)
-            if len(ids) >= ctx:
-                out.append((rel, np.asarray(ids[:ctx], np.int32)))
-            if len(out) == n:
-                return out
-    rng = np.random.default_rng(seed)
-    while len(out) < n:
-        out.append(("random tokens", rng.integers(0, vocab, ctx).astype(np.int32)))
-    return out
 
 
 def main(argv=None):
@@ -72,7 +54,7 @@ def main(argv=None):
         raise SystemExit(f"unknown methods {unknown}; accepted: {sorted(runs)}")
     rows = []
     for ctx in a.contexts:
-        for name, p in held_out_prompts(tok, m.cfg.vocab_size, ctx, a.prompts):
+        for name, p in prompts(tok, m.cfg.vocab_size, ctx, a.prompts):
             for meth in tqdm(a.methods, desc=f"{ctx} {name}", unit="method"):
                 runs[meth](p)  # compile
                 r = runs[meth](p)

@@ -20,7 +20,7 @@ from ssv_jax import cache as kvc
 from ssv_jax import model as M
 from ssv_jax import draft as dr
 from ssv_jax import tree as tr
-from ssv_jax.generate_cli import DEFAULT_CKPT, default_prompt
+from ssv_jax.generate_cli import load_model, prompts
 from ssv_jax.speculative import ssv_prefill
 
 
@@ -35,29 +35,14 @@ def main(argv=None):
     ap.add_argument("--out", default="docs/results/layout_stability.json")
     a = ap.parse_args(argv)
 
-    from ssv_jax.generate_cli import load_model
-
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0))
     cfg = m.cfg
-    rng = np.random.default_rng(0)
-    prompts, names = [], []
-    if tok is not None:
-        from ssv_jax import data
-
-        for rel, text in data.iter_documents("test"):
-            ids = tok.encode(text)
-            if len(ids) >= a.context:
-                prompts.append(np.asarray(ids[: a.context], np.int32))
-                names.append(rel)
-            if len(prompts) == a.prompts:
-                break
-    while len(prompts) < a.prompts:
-        prompts.append(rng.integers(0, cfg.vocab_size, a.context).astype(np.int32))
-        names.append("random tokens")
+    found = prompts(tok, cfg.vocab_size, a.context, a.prompts)
+    names = [name for name, _ in found]
     spec = tr.TreeSpec(*a.tree)
     stab, gam = [], {"bfs": [], "dfs": []}
     t0 = time.perf_counter()
-    for p in prompts:
+    for _, p in found:
         sels = analysis.sequence_selections(m.params, cfg, p[None])
         stab.append(analysis.layer_stability(sels, a.max_offset, min_pos=cfg.n_slc * cfg.slc_block))
         tc = kvc.init_cache(cfg, 1, a.context + 1024)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from ssv_jax.generate_cli import load_model
+from ssv_jax.generate_cli import load_model, prompts
 from ssv_jax.planner import bucket_of, save_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import ssv_generate
@@ -62,27 +62,15 @@ def main(argv=None):
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0))
     trees = [tuple(int(x) for x in t.split(",")) for t in a.trees.split(";")]
     cands = candidate_policies(trees, a.orders, a.modes, a.group_sizes, a.schedules, a.backend)
-    rng = np.random.default_rng(0)
     buckets, used = {}, []
     for ctx in a.contexts:
-        prompts = []
-        if tok is not None:
-            from ssv_jax import data
-
-            for rel, text in data.iter_documents("test"):
-                ids = tok.encode(text)
-                if len(ids) >= ctx:
-                    prompts.append(np.asarray(ids[:ctx], np.int32))
-                    used.append(dict(context=ctx, file=rel))
-                if len(prompts) == a.prompts:
-                    break
-        while len(prompts) < a.prompts:
-            prompts.append(rng.integers(0, m.cfg.vocab_size, ctx).astype(np.int32))
-            used.append(dict(context=ctx, file="random tokens"))
+        found = prompts(tok, m.cfg.vocab_size, ctx, a.prompts)
+        used.extend(dict(context=ctx, file=name) for name, _ in found)
+        ctx_prompts = [ids for _, ids in found]
         rows = []
         for pol in tqdm(cands, desc=f"profile {ctx}", unit="policy"):
             tps, taus, round_ms = [], [], []
-            for p in prompts:
+            for p in ctx_prompts:
                 kw = dict(max_new_tokens=a.new_tokens, policy=pol, prefill_chunk=512)
                 ssv_generate(m, p, **kw)  # compile
                 r = ssv_generate(m, p, **kw)

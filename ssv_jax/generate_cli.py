@@ -74,17 +74,33 @@ def _refresh_only(s) -> bool:
     return s == 1 or (isinstance(s, str) and set(s) == {"R"})
 
 
-def default_prompt(tok, n_tokens: int) -> tuple[str, str]:
-    """A prompt of about `n_tokens` tokens from held-out (test split) stdlib source: (relpath, text)."""
-    from ssv_jax import data
+def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0) -> list[tuple[str, np.ndarray]]:
+    """`count` prompts of `n_tokens` ids: from held-out (test split) stdlib source when there is a tokenizer
+    (skipping generated and private modules such as _sysconfigdata), else random ids. [(source, ids)]."""
+    out = []
+    if tok is not None:
+        from ssv_jax import data
 
-    for rel, text in data.iter_documents("test"):
-        if os.path.basename(rel).startswith("_"):  # generated or private modules (e.g. _sysconfigdata): not code
-            continue
-        ids = tok.encode(text)
-        if len(ids) >= n_tokens + 16:
-            return rel, tok.decode(ids[:n_tokens])
-    raise ValueError(f"no held-out file has {n_tokens} tokens; accepted: a smaller --prompt-tokens")
+        for rel, text in data.iter_documents("test"):
+            if os.path.basename(rel).startswith("_"):
+                continue
+            ids = tok.encode(text)
+            if len(ids) >= n_tokens + 16:
+                out.append((rel, np.asarray(ids[:n_tokens], np.int32)))
+            if len(out) == count:
+                return out
+    rng = np.random.default_rng(seed)
+    while len(out) < count:
+        out.append(("random tokens", rng.integers(0, vocab_size, n_tokens).astype(np.int32)))
+    return out
+
+
+def default_prompt(tok, n_tokens: int) -> tuple[str, str]:
+    """A prompt of about `n_tokens` tokens from held-out stdlib source: (relpath, text)."""
+    found = prompts(tok, tok.vocab_size, n_tokens, 1)
+    if found[0][0] == "random tokens":
+        raise ValueError(f"no held-out file has {n_tokens} tokens; accepted: a smaller --prompt-tokens")
+    return found[0][0], tok.decode(found[0][1].tolist())
 
 
 def load_model(a):
@@ -124,7 +140,6 @@ def main(argv=None) -> int:
 
     policy = policy_from_args(a)
     m, tok, desc = load_model(a)
-    rng = np.random.default_rng(a.seed)
     if a.prompt is not None or a.prompt_file is not None:
         if tok is None:
             raise SystemExit("--prompt needs a checkpoint with a tokenizer; accepted: --checkpoint DIR")
@@ -135,7 +150,8 @@ def main(argv=None) -> int:
         ids, where = tok.encode(text), f"held-out stdlib file {where}"
     else:
         n = min(a.prompt_tokens, m.cfg.max_seq_len - a.max_new_tokens - 1024)
-        ids, where = rng.integers(0, m.cfg.vocab_size, n).tolist(), "random token ids"
+        where, ids = prompts(None, m.cfg.vocab_size, n, 1, seed=a.seed)[0]
+        ids = ids.tolist()
     print(f"model: {desc}\nprompt: {len(ids)} tokens ({where})", flush=True)
     res = ssv_generate(m, np.asarray(ids, np.int32), max_new_tokens=a.max_new_tokens, policy=policy,
                        temperature=a.temperature, seed=a.seed, progress=True)
