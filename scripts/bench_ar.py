@@ -34,6 +34,8 @@ def main(argv=None):
     ap.add_argument("--schedule", default=None, help="refresh period P (int) or an R/U string; default: all R")
     ap.add_argument("--random-cache", action="store_true",
                     help="skip prefill: fill the cache with random K/V at each context (decode cost only)")
+    ap.add_argument("--split-weights", action="store_true",
+                    help="decode with per-layer weight buffers (model.split_layers) instead of stacked slices")
     ap.add_argument("--out", default="docs/results/ar_8b_h200.json")
     a = ap.parse_args(argv)
     sched = None if a.schedule is None else (int(a.schedule) if a.schedule.isdigit() else a.schedule)
@@ -73,12 +75,13 @@ def main(argv=None):
         print(f"prefill to {ctx}: {dt:.1f}s", flush=True)
         key = jax.random.key(1)
         done = jnp.zeros((1,), bool)
+        dec_params = M.split_layers(params) if a.split_weights else params
         # warm-up (compiles), then the timed call of the same shape
-        cache, tok, done, _, n = _ar_chunk(params, cfg, cache, tok, key, done, eos, steps=a.decode_steps,
+        cache, tok, done, _, n = _ar_chunk(dec_params, cfg, cache, tok, key, done, eos, steps=a.decode_steps,
                                            temperature=0.0, schedule=sched, attn=nsa.nsa_attention)
         jax.block_until_ready(tok)
         t = time.perf_counter()
-        cache, tok, done, _, n = _ar_chunk(params, cfg, cache, tok, key, done, eos, steps=a.decode_steps,
+        cache, tok, done, _, n = _ar_chunk(dec_params, cfg, cache, tok, key, done, eos, steps=a.decode_steps,
                                            temperature=0.0, schedule=sched, attn=nsa.nsa_attention)
         jax.block_until_ready(tok)
         ms = (time.perf_counter() - t) * 1e3 / int(n)
@@ -91,6 +94,7 @@ def main(argv=None):
     res = dict(
         benchmark="ar_nsa_decode", preset=a.preset, device=dev.device_kind, jax=jax.__version__,
         host=platform.node(), dtype="bfloat16", batch=1, schedule=a.schedule,
+        weights_layout="per-layer buffers" if a.split_weights else "stacked [L, ...]",
         prefill=None if a.random_cache else dict(tokens=max_ctx, chunk=a.prefill_chunk, seconds_total=prefill_s),
         cache="random K/V at each context (no prefill)" if a.random_cache else "chunked prefill of random tokens",
         decode=rows, peak_memory_gb=stats.get("peak_bytes_in_use", 0) / 1e9,

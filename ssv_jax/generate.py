@@ -98,11 +98,13 @@ def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, *, steps: 
 
 def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                 eos_id: int | None = None, *, schedule=None, attn=nsa.nsa_attention, chunk_steps: int = 64,
-                prefill_chunk: int = 512, cache_dtype=None, progress: bool = False, mesh=None) -> GenerateResult:
+                prefill_chunk: int = 512, cache_dtype=None, progress: bool = False, mesh=None,
+                split_weights: bool = False) -> GenerateResult:
     """Autoregressive NSA decoding (optionally under a refresh/reuse `schedule`, the SSV model variant).
 
     `mesh` (a `jax.sharding.Mesh` with axis "tp", see `ssv_jax.sharding`) shards params and cache over KV heads;
-    the default runs on one device.
+    the default runs on one device. `split_weights` decodes with per-layer weight buffers (`model.split_layers`)
+    instead of slicing the stacked weights inside the decode loop.
 
     Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
     cfg, params = unpack_target(model)
@@ -121,6 +123,8 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     logits, _, cache = M.prefill(params, cfg, prompt, cache, chunk=prefill_chunk, schedule=schedule, attn=attn,
                                  progress=progress)
     tok = sample(logits, temperature, key_first)
+    if split_weights:
+        params = M.split_layers(params)
     jax.block_until_ready(tok)
     t1 = time.perf_counter()
     eos = jnp.int32(-2 if eos_id is None else eos_id)

@@ -112,6 +112,33 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     return jax.tree.unflatten(tree, leaves)
 
 
+def split_layers(params: dict) -> dict:
+    """The same params with `layers` as a list of per-layer dicts (one buffer per weight per layer): an opt-in
+    layout for weight-bound loops, where slicing a stacked weight can cost a copy per step (DESIGN_NOTES, "Open:
+    weight slices in the decode loop"). `forward`, `forward_tree` and `commit_tree` accept both layouts."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]}
+
+
+def stack_layers(params: dict) -> dict:
+    """Inverse of `split_layers`."""
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
+
+
+def _run_layers(layer, carry, layers, flags, unroll):
+    """The schedule's layer loop over stacked layer params (static scan segments) or a per-layer list."""
+    if isinstance(layers, (list, tuple)):
+        return sched.run_layer_list(layer, carry, [(lp, i) for i, lp in enumerate(layers)], flags)
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return sched.run_layers(layer, carry, (layers, jnp.arange(n)), flags, unroll=unroll)
+
+
 class NSATransformer(nnx.Module):
     """Flax NNX owner of the target's parameters. Use the pure functions of this module on `params()`."""
 
@@ -251,8 +278,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
 
     x0 = embed(params, tokens)
     carry = (x0, cache.k, cache.v, cache.kc, cache.vc, _empty_sel(cfg, B, Q))
-    li = jnp.arange(cfg.n_layers)
-    (x, K, V, KC, VC, _), xs_in = sched.run_layers(layer, carry, (params["layers"], li), flags, unroll=unroll)
+    (x, K, V, KC, VC, _), xs_in = _run_layers(layer, carry, params["layers"], flags, unroll)
     new_cache = kvc.KVCache(K, V, KC, VC, kv_len)
     return lm_logits(params, cfg, x), _features(cfg, xs_in), new_cache
 
@@ -353,9 +379,8 @@ def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache,
         return (_finish(lp, ctx, x, o), sel), (x, k, v, sel if with_selection else None)
 
     x0 = embed(params, tree.tokens)
-    li = jnp.arange(cfg.n_layers)
-    (x, _), (xs_in, node_k, node_v, sels) = sched.run_layers(layer, (x0, _empty_sel(cfg, B, N)),
-                                                             (params["layers"], li), flags, unroll=unroll)
+    (x, _), (xs_in, node_k, node_v, sels) = _run_layers(layer, (x0, _empty_sel(cfg, B, N)), params["layers"],
+                                                        flags, unroll)
     out = (lm_logits(params, cfg, x), _features(cfg, xs_in), node_k, node_v)
     return out + (sels,) if with_selection else out
 
@@ -382,7 +407,7 @@ def commit_tree(params, cfg: ModelConfig, cache: kvc.KVCache, node_k, node_v, pa
         _, cv = kvc.completed_blocks(Vl, start, n_acc, A, cfg, wv, pev)
         return slot, ck, cv
 
-    lps = params["layers"] if cfg.compression == "mlp" else None
+    lps = stack_layers(params)["layers"] if cfg.compression == "mlp" else None
     slot, ck, cv = jax.vmap(cmp_layer, in_axes=(0, 0, 0 if lps is not None else None))(K, V, lps)
     lidx = jnp.arange(cfg.n_layers)[:, None, None]
     KC = cache.kc.at[lidx, bidx[None], slot].set(ck.astype(cache.kc.dtype), mode="drop")

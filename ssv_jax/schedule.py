@@ -92,3 +92,15 @@ def run_layers(layer_fn: Callable, carry, layer_xs, flags: tuple[bool, ...], *, 
     if len(ys_parts) == 1:
         return carry, ys_parts[0]
     return carry, jax.tree.map(lambda *a: jax.numpy.concatenate(a), *ys_parts)
+
+
+def run_layer_list(layer_fn: Callable, carry, xs_list, flags: tuple[bool, ...]):
+    """`run_layers`' contract over a Python list of per-layer inputs, unrolled at trace time. Each layer's weights
+    are then their own buffers: nothing is sliced out of a stacked array (see `model.split_layers`)."""
+    if len(xs_list) != len(flags):
+        raise ValueError(f"{len(xs_list)} per-layer inputs for a schedule of {len(flags)} layers; accepted: equal")
+    ys = []
+    for xs, refresh in zip(xs_list, flags):
+        carry, y = layer_fn(carry, xs, refresh)
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jax.numpy.stack(a), *ys)

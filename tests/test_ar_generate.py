@@ -55,3 +55,9 @@ def test_bad_arguments_raise_clear_errors(kw, needle):
 def test_unknown_model_type_is_rejected():
     with pytest.raises(ValueError, match="NSATransformer"):
         ar_generate("tiny", PROMPT, 4)
+
+
+def test_split_weight_decoding_gives_the_same_tokens():
+    a = ar_generate((CFG, PARAMS), PROMPT, 20, prefill_chunk=64).tokens
+    b = ar_generate((CFG, PARAMS), PROMPT, 20, prefill_chunk=64, split_weights=True).tokens
+    np.testing.assert_array_equal(a, b)

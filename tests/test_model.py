@@ -170,3 +170,21 @@ def test_empty_prompt_and_out_of_vocab_ids_are_rejected():
         M.prefill(PARAMS, CFG, np.array([[1, 2, 256]]), cache)
     with pytest.raises(ValueError, match="out of vocabulary"):
         M.prefill(PARAMS, CFG, np.array([[1, -1]]), cache)
+
+
+def test_per_layer_weight_buffers_give_the_same_model():
+    """`split_layers` (one buffer per layer, a Python layer loop) computes exactly what the stacked scans do, in
+    commit mode, verify mode and commit_tree."""
+    split = M.split_layers(PARAMS)
+    assert isinstance(split["layers"], list) and len(split["layers"]) == CFG.n_layers
+    toks = jax.random.randint(jax.random.key(8), (1, 64), 0, CFG.vocab_size)
+    a = M.forward(PARAMS, CFG, toks, kvc.init_cache(CFG, 1, 128), schedule=2)
+    b = M.forward(split, CFG, toks, kvc.init_cache(CFG, 1, 128), schedule=2)
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    np.testing.assert_array_equal(np.asarray(a[2].k), np.asarray(b[2].k))
+    cache, tree, *_ = _prefilled_tree(3, 101, [-1, 0, 1, 1, 2])
+    ta = M.forward_tree(PARAMS, CFG, tree, cache)
+    tb = M.forward_tree(split, CFG, tree, cache)
+    for x, y in zip(ta, tb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    jax.tree.map(np.testing.assert_array_equal, M.stack_layers(split), PARAMS)
