@@ -363,7 +363,7 @@ def lower_only(cfg):
     """Lower every benchmarked kernel for CUDA on this (CPU) machine through an abstract H100."""
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev)
-    H, Hq, D, S, T = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, 65536 + 1024, 65536
+    H, Hq, D, S = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, 65536 + 1024
     for Q in (4, 16, 64):
         sds = [jax.ShapeDtypeStruct(s, d) for s, d in [
             ((1, Q, Hq, D), DT), ((1, Q, H, cfg.n_slc), jnp.int32), ((1, Q), jnp.int32), ((1, Q, Hq, 3), DT),

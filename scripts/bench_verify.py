@@ -20,12 +20,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ssv_jax import cache as kvc
 from ssv_jax import draft as dr
 from ssv_jax import model as M
-from ssv_jax import nsa
 from ssv_jax import schedule as sched
 from ssv_jax.config import get_config
 from ssv_jax.policy import SSVPolicy, attention_for

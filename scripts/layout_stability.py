@@ -12,7 +12,6 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ssv_jax import analysis

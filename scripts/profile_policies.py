@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import platform
-import time
 
 import jax
 import numpy as np

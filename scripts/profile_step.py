@@ -2,9 +2,8 @@
 _ar_chunk while_loop. `python scripts/profile_step.py --layers 4`"""
 import argparse, time
 import jax, jax.numpy as jnp
-from ssv_jax import cache as kvc, model as M, nsa
+from ssv_jax import cache as kvc, model as M
 from ssv_jax.config import get_config
-from ssv_jax.generate import _ar_chunk
 
 ap = argparse.ArgumentParser(); ap.add_argument("--layers", type=int, default=4); ap.add_argument("--steps", type=int, default=16)
 a = ap.parse_args()

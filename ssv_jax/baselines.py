@@ -9,7 +9,6 @@ round loop run them:
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from ssv_jax import nsa

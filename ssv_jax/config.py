@@ -7,7 +7,7 @@ validated on construction; a bad value raises `ValueError` naming the field and 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

@@ -540,13 +540,13 @@ class Report:
                    for a in ckpt.flatten_params(p).values())
 
     def __str__(self) -> str:
-        lines = [f"ssv-jax conversion report", f"  source: {self.source}", f"  output: {self.output}",
+        lines = ["ssv-jax conversion report", f"  source: {self.source}", f"  output: {self.output}",
                  f"  dtype:  {self.dtype}"]
         for g, plan, params in self.groups:
             cfg = plan.cfg
             lines.append(f"[{g}] format {plan.fmt} from {plan.ck.path} ({len(plan.ck.files)} file(s), "
                          f"{len(plan.ck.index)} tensors)")
-            lines.append(f"  config: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
+            lines.append("  config: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
             flat = ckpt.flatten_params(params)
             src = {e.name: e for e in plan.entries}
             lines.append(f"  {'tensor':<18}{'shape':<22}{'dtype':<10}source")

@@ -380,7 +380,7 @@ def draft_tree_step(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hi
     emb = _embedding(params, embed)[tokens].astype(hidden.dtype)
     q, k, v = _qkv(params, dcfg, emb, hidden, positions)
     B, M = tokens.shape
-    S = cache.k.shape[1]
+
     def cmask(s0, n):
         return jnp.broadcast_to(((s0 + jnp.arange(n))[None, :] < cache.length[:, None])[:, None, :], (B, M, n))
 

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ssv_jax.draft import DraftCache, DraftConfig, draft_logits, draft_to_target, draft_tree_step
+from ssv_jax.draft import DraftCache, DraftConfig, draft_logits, draft_tree_step
 
 ORDERS = ("bfs", "dfs")
 

@@ -1,6 +1,5 @@
 """NSA reference == an independent brute-force per-query NumPy loop, branch by branch (DESIGN.md semantics)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
