@@ -94,7 +94,7 @@ def main(argv=None):
     res = dict(
         benchmark="ar_nsa_decode", preset=a.preset, device=dev.device_kind, jax=jax.__version__,
         host=platform.node(), dtype="bfloat16", batch=1, schedule=a.schedule,
-        weights_layout="per-layer buffers" if a.split_weights else "stacked [L, ...]",
+        weights_layout="per-layer buffers, fused q/k/v/gate and gate/up (model.split_layers)" if a.split_weights else "stacked [L, ...]",
         prefill=None if a.random_cache else dict(tokens=max_ctx, chunk=a.prefill_chunk, seconds_total=prefill_s),
         cache="random K/V at each context (no prefill)" if a.random_cache else "chunked prefill of random tokens",
         decode=rows, peak_memory_gb=stats.get("peak_bytes_in_use", 0) / 1e9,

@@ -1,5 +1,6 @@
 """Where does a decode step's time go? Profiles `ar` decode steps at the 8B layer shape with a few layers and
-prints the GPU ops by total time (from a perfetto trace), plus step times with the attention swapped out.
+prints the GPU ops by total time (from a perfetto trace), plus step times with stacked vs per-layer weights and
+with the attention swapped out.
 
     python scripts/profile_decode.py --layers 4 --context 8192 --outdir $OUT
 """
@@ -36,6 +37,7 @@ def main():
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--outdir", default="/tmp/prof")
+    ap.add_argument("--trace", default="nsa_fused", help="which variant to trace, list the GPU ops of and dump the HLO of")
     a = ap.parse_args()
     cfg = get_config("llama31-8b-nsa").replace(n_layers=a.layers, feature_layers=(0, a.layers // 2, a.layers - 1))
     params = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
@@ -48,10 +50,14 @@ def main():
                              jnp.full((1,), a.context, jnp.int32))
     tok = jnp.array([5], jnp.int32)
     res = {}
-    for name, attn in (("nsa", nsa.nsa_attention), ("no_attention", no_attention)):
+    split, fused = M.split_layers(params, fuse=False), M.split_layers(params)
+    variants = (("nsa_stacked", params, nsa.nsa_attention), ("nsa_split", split, nsa.nsa_attention),
+                ("nsa_fused", fused, nsa.nsa_attention), ("no_attention_fused", fused, no_attention))
+    for name, prm, attn in variants:
         cache = mk()
-        run = lambda c: _ar_chunk(params, cfg, c, tok, jax.random.key(0), jnp.zeros((1,), bool), jnp.int32(-2),
-                                  steps=a.steps, temperature=0.0, schedule=None, attn=attn)
+        run = lambda c, prm=prm, attn=attn: _ar_chunk(prm, cfg, c, tok, jax.random.key(0), jnp.zeros((1,), bool),
+                                                      jnp.int32(-2), steps=a.steps, temperature=0.0, schedule=None,
+                                                      attn=attn)
         cache, *_ = run(cache)
         jax.block_until_ready(cache)
         t = time.perf_counter()
@@ -59,7 +65,11 @@ def main():
         jax.block_until_ready(cache)
         res[name] = (time.perf_counter() - t) * 1e3 / a.steps
         print(f"{name}: {res[name]:.3f} ms/step for {a.layers} layers", flush=True)
-        if name == "nsa":
+        if name == a.trace:
+            with open(os.path.join(a.outdir, f"hlo_{name}.txt"), "w") as f:
+                f.write(_ar_chunk.lower(prm, cfg, mk(), tok, jax.random.key(0), jnp.zeros((1,), bool),
+                                        jnp.int32(-2), steps=a.steps, temperature=0.0, schedule=None,
+                                        attn=attn).compile().as_text())
             d = os.path.join(a.outdir, "trace")
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 cache, *_ = run(cache)
@@ -67,12 +77,14 @@ def main():
             files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
             ev = json.load(gzip.open(files[0]))
             evs = ev["traceEvents"] if isinstance(ev, dict) else ev
+            gpu = {e["pid"] for e in evs if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and "GPU" in str(e.get("args", {}).get("name", ""))}
             tot, cnt = defaultdict(float), defaultdict(int)
             for e in evs:
-                if e.get("ph") == "X" and "dur" in e:
+                if e.get("ph") == "X" and "dur" in e and (not gpu or e.get("pid") in gpu):
                     tot[e["name"]] += e["dur"]
                     cnt[e["name"]] += 1
-            rows = sorted(tot.items(), key=lambda x: -x[1])[:40]
+            rows = sorted(tot.items(), key=lambda x: -x[1])[:60]
             for n, t in rows:
                 print(f"{t / a.steps:10.1f} us/step  x{cnt[n] / a.steps:6.1f}  {n[:150]}")
     print(json.dumps(res))

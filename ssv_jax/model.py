@@ -112,23 +112,47 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     return jax.tree.unflatten(tree, leaves)
 
 
-def split_layers(params: dict) -> dict:
-    """The same params with `layers` as a list of per-layer dicts (one buffer per weight per layer): an opt-in
-    layout for weight-bound loops, where slicing a stacked weight can cost a copy per step (DESIGN_NOTES, "Open:
-    weight slices in the decode loop"). `forward`, `forward_tree` and `commit_tree` accept both layouts."""
+FUSED_PROJECTIONS = {"w_qkvg": ("wq", "wk", "wv", "wg"), "w_gu": ("w_gate", "w_up")}
+
+
+def split_layers(params: dict, fuse: bool = True) -> dict:
+    """The decode layout: `layers` as a list of per-layer dicts (one buffer per weight per layer), so that a
+    weight-bound loop slices nothing out of a stacked array (a copy per weight per step inside a while_loop,
+    docs/DESIGN_NOTES.md, "Decode weight layout"). With `fuse`, each layer's q/k/v/gate projections become one
+    matrix `w_qkvg` and the MLP's gate/up one `w_gu` (FUSED_PROJECTIONS): fewer, wider GEMVs. `forward`,
+    `forward_tree` and `commit_tree` accept every layout; `stack_layers` undoes it."""
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params
     n = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]}
+    out = []
+    for i in range(n):
+        lp = {k: a[i] for k, a in layers.items()}
+        if fuse:
+            for fused, names in FUSED_PROJECTIONS.items():
+                lp[fused] = jnp.concatenate([lp.pop(k) for k in names], -1)
+        out.append(lp)
+    return {**params, "layers": out}
 
 
-def stack_layers(params: dict) -> dict:
-    """Inverse of `split_layers`."""
+def _unfuse(lp: dict, cfg: ModelConfig) -> dict:
+    """Per-layer projections from a fused layer dict (no-op on an unfused one)."""
+    if "w_qkvg" not in lp:
+        return lp
+    lp = dict(lp)
+    qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    cuts = np.cumsum([qd, kd, kd])
+    lp["wq"], lp["wk"], lp["wv"], lp["wg"] = jnp.split(lp.pop("w_qkvg"), cuts, -1)
+    lp["w_gate"], lp["w_up"] = jnp.split(lp.pop("w_gu"), 2, -1)
+    return lp
+
+
+def stack_layers(params: dict, cfg: ModelConfig) -> dict:
+    """Inverse of `split_layers`: layer params stacked on a leading L axis, projections unfused."""
     layers = params["layers"]
     if not isinstance(layers, (list, tuple)):
         return params
-    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
+    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *[_unfuse(lp, cfg) for lp in layers])}
 
 
 def _run_layers(layer, carry, layers, flags, unroll):
@@ -169,10 +193,15 @@ def _qkv(lp, ctx: Ctx, x):
     cfg = ctx.cfg
     B, Q, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-    q = _mm(h, lp["wq"]).reshape(B, Q, cfg.n_heads, cfg.head_dim)
-    k = _mm(h, lp["wk"]).reshape(B, Q, cfg.n_kv_heads, cfg.head_dim)
-    v = _mm(h, lp["wv"]).reshape(B, Q, cfg.n_kv_heads, cfg.head_dim)
-    g = jax.nn.sigmoid(_mm(h, lp["wg"]).astype(jnp.float32)).reshape(B, Q, cfg.n_heads, 3)
+    if "w_qkvg" in lp:  # fused decode layout (split_layers)
+        qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        q, k, v, g = jnp.split(_mm(h, lp["w_qkvg"]), np.cumsum([qd, kd, kd]), -1)
+    else:
+        q, k, v, g = (_mm(h, lp[n]) for n in ("wq", "wk", "wv", "wg"))
+    q = q.reshape(B, Q, cfg.n_heads, cfg.head_dim)
+    k = k.reshape(B, Q, cfg.n_kv_heads, cfg.head_dim)
+    v = v.reshape(B, Q, cfg.n_kv_heads, cfg.head_dim)
+    g = jax.nn.sigmoid(g.astype(jnp.float32)).reshape(B, Q, cfg.n_heads, 3)
     return apply_rope(q, ctx.pos, ctx.inv_freq), apply_rope(k, ctx.pos, ctx.inv_freq), v, g
 
 
@@ -181,7 +210,11 @@ def _finish(lp, ctx: Ctx, x, o):
     B, Q = x.shape[:2]
     x = x + _mm(o.reshape(B, Q, -1).astype(x.dtype), lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
-    return x + _mm(jax.nn.silu(_mm(h, lp["w_gate"])) * _mm(h, lp["w_up"]), lp["w_down"])
+    if "w_gu" in lp:  # fused decode layout (split_layers)
+        gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, -1)
+    else:
+        gate, up = _mm(h, lp["w_gate"]), _mm(h, lp["w_up"])
+    return x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
 
 
 def _chunked_attn(ctx: Ctx, q_chunk: int, q, gates, k, v, kc, vc, kv_len, sel):
@@ -407,7 +440,7 @@ def commit_tree(params, cfg: ModelConfig, cache: kvc.KVCache, node_k, node_v, pa
         _, cv = kvc.completed_blocks(Vl, start, n_acc, A, cfg, wv, pev)
         return slot, ck, cv
 
-    lps = stack_layers(params)["layers"] if cfg.compression == "mlp" else None
+    lps = stack_layers(params, cfg)["layers"] if cfg.compression == "mlp" else None
     slot, ck, cv = jax.vmap(cmp_layer, in_axes=(0, 0, 0 if lps is not None else None))(K, V, lps)
     lidx = jnp.arange(cfg.n_layers)[:, None, None]
     KC = cache.kc.at[lidx, bidx[None], slot].set(ck.astype(cache.kc.dtype), mode="drop")

@@ -17,6 +17,7 @@ Passing `sel` skips routing (a reuse layer inherits the indices of the last refr
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -175,8 +176,27 @@ def route(imp: jax.Array, q_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
     forced = (j == 0) | (j == cur) | (j == cur - 1)
     cand = j <= cur
     score = jnp.where(forced, jnp.inf, jnp.where(cand, imp, NEG_INF))
-    val, idx = jax.lax.top_k(score, cfg.n_slc)  # ties: lower index first
+    val, idx = top_n(score, cfg.n_slc)  # ties: lower index first
     return jnp.where(val > NEG_INF, idx, -1).astype(jnp.int32)
+
+
+RANK_TOPK_MAX_PAIRS = 1 << 26
+
+
+def top_n(score: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(score, n)` over the last axis: values descending, ties broken by the lower index.
+
+    With few rows (decode and small verify trees) it is computed from pairwise ranks instead (rank_i = #{j: s_j >
+    s_i, or s_j == s_i and j < i}), one fused compare-and-count that is far cheaper on the GPU than XLA's top-k
+    kernel for these shapes (docs/DESIGN_NOTES.md, "Routing top-n for few queries"). Both give the same output."""
+    m = score.shape[-1]
+    if math.prod(score.shape[:-1]) * m * m > RANK_TOPK_MAX_PAIRS:
+        return jax.lax.top_k(score, n)
+    i = jnp.arange(m)
+    si, sj = score[..., :, None], score[..., None, :]
+    rank = jnp.sum((sj > si) | ((sj == si) & (i[None, :] < i[:, None])), -1)  # [..., m], a permutation of 0..m-1
+    idx = jnp.argmax(rank[..., None, :] == jnp.arange(n)[:, None], -1).astype(jnp.int32)  # [..., n]
+    return jnp.take_along_axis(score, idx, -1), idx
 
 
 def _gather_keys(k, pos):

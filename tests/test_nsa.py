@@ -1,5 +1,6 @@
 """NSA reference == an independent brute-force per-query NumPy loop, branch by branch (DESIGN.md semantics)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -156,3 +157,17 @@ def test_mlp_compression_is_a_per_head_linear_map_of_the_block():
         for h in range(cfg.n_kv_heads):
             ref = (blocks[b, :, h] + pe[h]).reshape(-1) @ w[h].reshape(-1, cfg.head_dim)
             np.testing.assert_allclose(out[b, h], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rank_top_n_equals_lax_top_k_with_ties_and_infinities(seed):
+    """The pairwise-rank top-n used for few queries returns exactly lax.top_k's values and indices (same order,
+    same tie rule), on fresh inputs full of ties, +inf (forced blocks) and -inf (absent blocks)."""
+    r = np.random.default_rng(seed)
+    score = r.integers(0, 6, (2, 3, 4, 40)).astype(np.float32)  # many ties
+    score[r.random(score.shape) < 0.1] = np.inf
+    score[r.random(score.shape) < 0.3] = -np.inf
+    val, idx = nsa.top_n(jnp.asarray(score), 16)
+    ref_val, ref_idx = jax.lax.top_k(jnp.asarray(score), 16)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    np.testing.assert_array_equal(np.asarray(val), np.asarray(ref_val))
