@@ -10,6 +10,9 @@ per-query selected branch (the naive SD+NSA baseline).
 from __future__ import annotations
 
 import jax
+# pallas_call imports the fuser lazily at its first trace, and the fuser registers a config flag that is part of
+# the jit cache key: every jit traced before that point would miss its cache once. Import it up front.
+import jax.experimental.pallas.fuser  # noqa: F401
 
 from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
@@ -51,6 +54,7 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
 
 
 nsa_attention_kernel.reads_layer_views = True  # k, v, kc, vc may be nsa.LayerKV views: read in place from the stack
+nsa_attention_kernel.reads_compressed_views = True
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
            "compressed_attention", "overlap_gamma", "merged_sizes", "synthetic_selection", "effective_selection",

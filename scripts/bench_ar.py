@@ -20,9 +20,9 @@ import numpy as np
 
 from ssv_jax import cache as kvc
 from ssv_jax import model as M
-from ssv_jax import nsa
 from ssv_jax.config import get_config
 from ssv_jax.generate import _ar_chunk
+from ssv_jax.policy import attention_for
 
 
 def main(argv=None):
@@ -36,8 +36,11 @@ def main(argv=None):
                     help="skip prefill: fill the cache with random K/V at each context (decode cost only)")
     ap.add_argument("--split-weights", action="store_true",
                     help="decode with per-layer weight buffers (model.split_layers) instead of stacked slices")
+    ap.add_argument("--backend", default="reference", choices=["reference", "kernel"],
+                    help="decode attention: the jnp reference or the Pallas kernels (mode A, one query per group)")
     ap.add_argument("--out", default="docs/results/ar_8b_h200.json")
     a = ap.parse_args(argv)
+    attn = attention_for(a.backend, "A", 1, jax.default_backend() == "cpu")
     sched = None if a.schedule is None else (int(a.schedule) if a.schedule.isdigit() else a.schedule)
 
     cfg = get_config(a.preset)
@@ -78,11 +81,11 @@ def main(argv=None):
         dec_params = M.split_layers(params) if a.split_weights else params
         # warm-up (compiles), then the timed call of the same shape
         cache, tok, done, _, n = _ar_chunk(dec_params, cfg, cache, tok, key, done, eos, steps=a.decode_steps,
-                                           temperature=0.0, schedule=sched, attn=nsa.nsa_attention)
+                                           temperature=0.0, schedule=sched, attn=attn)
         jax.block_until_ready(tok)
         t = time.perf_counter()
         cache, tok, done, _, n = _ar_chunk(dec_params, cfg, cache, tok, key, done, eos, steps=a.decode_steps,
-                                           temperature=0.0, schedule=sched, attn=nsa.nsa_attention)
+                                           temperature=0.0, schedule=sched, attn=attn)
         jax.block_until_ready(tok)
         ms = (time.perf_counter() - t) * 1e3 / int(n)
         length = int(cache.length[0])
@@ -93,7 +96,7 @@ def main(argv=None):
     weight_bytes = cfg.param_count() * 2
     res = dict(
         benchmark="ar_nsa_decode", preset=a.preset, device=dev.device_kind, jax=jax.__version__,
-        host=platform.node(), dtype="bfloat16", batch=1, schedule=a.schedule,
+        host=platform.node(), dtype="bfloat16", batch=1, schedule=a.schedule, decode_attention=a.backend,
         weights_layout="per-layer buffers, fused q/k/v/gate and gate/up (model.split_layers)" if a.split_weights else "stacked [L, ...]",
         prefill=None if a.random_cache else dict(tokens=max_ctx, chunk=a.prefill_chunk, seconds_total=prefill_s),
         cache="random K/V at each context (no prefill)" if a.random_cache else "chunked prefill of random tokens",

@@ -23,6 +23,7 @@ from ssv_jax import model as M
 from ssv_jax import nsa
 from ssv_jax.config import get_config
 from ssv_jax.generate import _ar_chunk
+from ssv_jax.policy import attention_for
 
 
 def no_attention(q, q_pos, gates, k, v, kc, vc, kv_len, cfg, extra=None, sel=None):
@@ -52,7 +53,8 @@ def main():
     res = {}
     split, fused = M.split_layers(params, fuse=False), M.split_layers(params)
     variants = (("nsa_stacked", params, nsa.nsa_attention), ("nsa_split", split, nsa.nsa_attention),
-                ("nsa_fused", fused, nsa.nsa_attention), ("no_attention_fused", fused, no_attention))
+                ("nsa_fused", fused, nsa.nsa_attention), ("no_attention_fused", fused, no_attention),
+                ("kernel_fused", fused, attention_for("kernel", "A", 1, jax.default_backend() == "cpu")))
     for name, prm, attn in variants:
         cache = mk()
         run = lambda c, prm=prm, attn=attn: _ar_chunk(prm, cfg, c, tok, jax.random.key(0), jnp.zeros((1,), bool),

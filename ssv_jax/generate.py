@@ -99,12 +99,13 @@ def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, *, steps: 
 def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                 eos_id: int | None = None, *, schedule=None, attn=nsa.nsa_attention, chunk_steps: int = 64,
                 prefill_chunk: int = 512, cache_dtype=None, progress: bool = False, mesh=None,
-                split_weights: bool = False) -> GenerateResult:
+                split_weights: bool = True) -> GenerateResult:
     """Autoregressive NSA decoding (optionally under a refresh/reuse `schedule`, the SSV model variant).
 
     `mesh` (a `jax.sharding.Mesh` with axis "tp", see `ssv_jax.sharding`) shards params and cache over KV heads;
-    the default runs on one device. `split_weights` decodes with per-layer weight buffers (`model.split_layers`)
-    instead of slicing the stacked weights inside the decode loop.
+    the default runs on one device. `split_weights` (default) decodes on the decode weight layout
+    (`model.split_layers`: per-layer buffers, fused projections; a second copy of the weights) instead of slicing
+    the stacked weights inside the decode loop (about 3x slower at 8B shapes, docs/RESULTS.md).
 
     Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
     cfg, params = unpack_target(model)
@@ -125,7 +126,7 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     tok = sample(logits, temperature, key_first)
     if split_weights:
         params = M.split_layers(params)
-    jax.block_until_ready(tok)
+    jax.block_until_ready((tok, params))
     t1 = time.perf_counter()
     eos = jnp.int32(-2 if eos_id is None else eos_id)
     done = tok == eos

@@ -240,12 +240,18 @@ def _chunked_attn(ctx: Ctx, q_chunk: int, q, gates, k, v, kc, vc, kv_len, sel):
     return merge(o), merge(s)
 
 
-def _layer_view(stack, li, attn):
-    """Layer li of a stacked cache: an in-place `nsa.LayerKV` view for attention functions that read it through
-    gathers (the jnp reference), else the sliced array (Pallas kernels take plain arrays)."""
-    if getattr(getattr(attn, "func", attn), "reads_layer_views", False):  # look through functools.partial
+def _layer_view(stack, li, attn, flag: str = "reads_layer_views"):
+    """Layer li of a stacked cache: an in-place `nsa.LayerKV` view when the attention function declares (by the
+    attribute `flag`) that it reads such views without copying, else the sliced array. The reference reads K/V
+    views through gathers ("reads_layer_views"); the Pallas kernels also read the compressed caches in place
+    ("reads_compressed_views"), where the reference's dots would copy the slice anyway."""
+    if getattr(getattr(attn, "func", attn), flag, False):  # look through functools.partial
         return nsa.LayerKV(stack, li)
     return stack[li]
+
+
+def _cmp_view(stack, li, attn):
+    return _layer_view(stack, li, attn, "reads_compressed_views")
 
 
 def _empty_sel(cfg: ModelConfig, B: int, Q: int):
@@ -306,7 +312,8 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
         _, cv = kvc.completed_blocks(nsa.LayerKV(V, li), start, n_valid, Q, cfg, wv, pev)
         KC = KC.at[li, bidx, slot].set(ck.astype(KC.dtype), mode="drop")
         VC = VC.at[li, bidx, slot].set(cv.astype(VC.dtype), mode="drop")
-        o, sel = _chunked_attn(ctx, q_chunk, q, g, Kl, Vl, KC[li], VC[li], kv_len, None if refresh else sel)
+        o, sel = _chunked_attn(ctx, q_chunk, q, g, Kl, Vl, _cmp_view(KC, li, attn), _cmp_view(VC, li, attn), kv_len,
+                               None if refresh else sel)
         return (_finish(lp, ctx, x, o), K, V, KC, VC, sel), x
 
     x0 = embed(params, tokens)
@@ -407,7 +414,7 @@ def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache,
         Kl, Vl = _layer_view(cache.k, li, attn), _layer_view(cache.v, li, attn)
         cpk, cpv = _cmp_params(lp, cfg)
         extra = nsa.Extra(k, v, pos, tree.mask, path_blocks(Kl, k, cpk), path_blocks(Vl, v, cpv), cidx, cmask)
-        o, sel = attn(q, pos, g, Kl, Vl, cache.kc[li], cache.vc[li], T, cfg, extra=extra,
+        o, sel = attn(q, pos, g, Kl, Vl, _cmp_view(cache.kc, li, attn), _cmp_view(cache.vc, li, attn), T, cfg, extra=extra,
                       sel=None if refresh else sel)
         return (_finish(lp, ctx, x, o), sel), (x, k, v, sel if with_selection else None)
 

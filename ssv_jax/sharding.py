@@ -104,7 +104,8 @@ def shard_attention(attn, mesh: Mesh):
                           out_specs=(heads, heads), check_vma=False)
         return f(q, gates, k, v, kc, vc, extra, sel)
 
-    run.reads_layer_views = getattr(getattr(attn, "func", attn), "reads_layer_views", False)
+    for flag in ("reads_layer_views", "reads_compressed_views"):
+        setattr(run, flag, getattr(getattr(attn, "func", attn), flag, False))
     return run
 
 

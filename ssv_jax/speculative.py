@@ -168,7 +168,8 @@ def ssv_prefill(m: SSVModel, prompt: np.ndarray, tcache, dcache, temperature: fl
 
 def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", temperature: float = 0.0,
                  seed: int = 0, eos_id: int | None = None, chunk_rounds: int = 16, prefill_chunk: int = 512,
-                 planner=None, cache_dtype=None, progress: bool = False, mesh=None) -> GenerateResult:
+                 planner=None, cache_dtype=None, progress: bool = False, mesh=None,
+                 split_weights: bool = True) -> GenerateResult:
     """Generate with Sparse Speculative Verification.
 
     Args:
@@ -180,6 +181,9 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
       planner: an `ssv_jax.planner.Planner` (default: one built for "auto").
       mesh: a `jax.sharding.Mesh` with axis "tp" (`ssv_jax.sharding.make_mesh`): tensor parallelism over KV
         heads; default one device.
+      split_weights: run the rounds on the decode weight layout (`model.split_layers`: per-layer buffers, fused
+        projections), which holds a second copy of the target's weights; False slices the stacked weights
+        inside the loop instead (about 3x slower per round at 8B shapes, docs/RESULTS.md).
     Returns `GenerateResult(tokens [B, n], stats)`; stats: rounds, accepted_per_round (tokens emitted per round:
     accepted drafts + bonus), tau (their mean), policy_trace, prefill_s, decode_s, tokens_per_s.
     """
@@ -214,7 +218,9 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     out = jnp.full((B, max_new_tokens + max_depth + 2), -1, jnp.int32).at[:, 0].set(first)
     st = RoundState(tcache, dcache, first.astype(jnp.int32), hidden, out, jnp.ones((B,), jnp.int32),
                     (first == eos) | (max_new_tokens <= 1))
-    jax.block_until_ready(st.root_hidden)
+    if split_weights:
+        m = m._replace(params=M.split_layers(m.params))
+    jax.block_until_ready((st.root_hidden, m.params))
     t1 = time.perf_counter()
     per_round, trace, r_total = [], [], 0
     observe_s, switch_s = [], []  # the planner's own host time, per chunk without / with a switch
