@@ -2,8 +2,9 @@
 compressed blocks), the selected branch with the inherited indices (grouped, mode A or B) and the window branch,
 keeps three online-softmax states and writes only the gated output. Reference: `nsa.nsa_attention(..., sel=sel)`.
 
-`nsplit > 1` is a measured alternative, not the fused kernel: the same launch split over the key work of each
-branch across programs, then an XLA LSE combine and the gates (more programs, one more pass over small partials).
+`nsplit > 1` splits the same launch over the key work of each branch across programs, then combines the splits'
+LSE and applies the gates in XLA (more programs, one more pass over small partials). The default (`nsplit=None`)
+splits only when the grid is too small to fill the SMs, as for decode (Q=1: B*Hkv programs) and small trees.
 """
 
 from __future__ import annotations
@@ -11,17 +12,19 @@ from __future__ import annotations
 from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
-from ._common import check_group_size, gate
+from ._common import check_group_size, gate, split_count
 from .grouped_verify import effective_selection, fused_call
 
 
 def reuse_layer(q, q_pos, gates, k, v, kc, vc, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
-                mode: str = "A", group_size: int = 4, nsplit: int = 1, interpret: bool = False,
+                mode: str = "A", group_size: int = 4, nsplit: int | None = None, interpret: bool = False,
                 num_warps: int = 4, num_stages: int = 3, cmp_chunk: int = 64):
     """Gated NSA attention of a reuse layer with inherited `sel` [B, Q, Hkv, n]. Returns (o in q's dtype, the
     effective selection: `sel` in mode "A", the group-shared one in mode "B")."""
-    check_group_size(group_size, q.shape[1], q.shape[2] // k.shape[2])
+    c = check_group_size(group_size, q.shape[1], q.shape[2] // k.shape[2])
     sel_eff = effective_selection(sel, mode, group_size)
+    if nsplit is None:
+        nsplit = split_count(q.shape[0] * k.shape[2] * (q.shape[1] // c), c * cfg.n_slc)
     kw = dict(group_size=group_size, shared=mode == "B", slc=True, win=True, kc=kc, vc=vc, gates=gates,
               nsplit=nsplit, interpret=interpret, num_warps=num_warps, num_stages=num_stages, name="reuse_layer",
               cmp_chunk=cmp_chunk)

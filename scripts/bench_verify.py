@@ -25,6 +25,7 @@ from ssv_jax import cache as kvc
 from ssv_jax import draft as dr
 from ssv_jax import model as M
 from ssv_jax import schedule as sched
+from ssv_jax import sharding
 from ssv_jax.config import get_config
 from ssv_jax.policy import SSVPolicy, attention_for
 from ssv_jax.speculative import RoundState, SSVModel, _ssv_chunk, ssv_round
@@ -64,6 +65,8 @@ def main(argv=None):
     ap.add_argument("--periods", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--backends", nargs="+", default=["reference", "kernel"])
     ap.add_argument("--skip-schedule", action="store_true")
+    ap.add_argument("--mesh-sizes", type=int, nargs="+", default=[1],
+                    help="tensor-parallel degrees for the verify rounds (1: one device; n: a 'tp' mesh of n devices)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out-verify", default="docs/results/verify_8b_h200.json")
     ap.add_argument("--out-schedule", default="docs/results/schedule_8b_h200.json")
@@ -73,9 +76,14 @@ def main(argv=None):
     dcfg = dr.DraftConfig.for_target(cfg)
     dev = jax.devices()[0]
     interpret = jax.default_backend() == "cpu"
-    # the decode weight layout (per-layer buffers, fused projections), as ssv_generate and ar_generate run rounds
-    params = M.split_layers(jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0)))
+    stacked = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
     dparams = jax.jit(lambda k: dr.init_draft_params(dcfg, k, jnp.bfloat16))(jax.random.key(1))
+    # the decode weight layout (per-layer buffers; projections fused on one device), as ssv_generate runs rounds
+    meshes = {n: None if n == 1 else sharding.make_mesh(n) for n in a.mesh_sizes}
+    layouts = {n: M.split_layers(stacked if mesh is None else sharding.shard_params(stacked, cfg, mesh),
+                                 fuse=mesh is None) for n, mesh in meshes.items()}
+    params = layouts[1] if 1 in layouts else M.split_layers(stacked)
+    del stacked
     tree64 = dict(top_k=8, depth=6, budget=64)
     tree16 = dict(top_k=4, depth=4, budget=16)
     meta = dict(preset=a.preset, device=dev.device_kind, jax=jax.__version__, dtype="bfloat16", batch=1)
@@ -83,41 +91,46 @@ def main(argv=None):
     # -- one verification round --------------------------------------------------------------------------------
     rows = []
     cap = kvc.cache_capacity(cfg, max(a.contexts) + 4096)  # one shape for every T: one compile per backend
-    for T in a.contexts:
+    for T, backend, n_dev in [(T, b, n) for T in a.contexts for b in a.backends for n in a.mesh_sizes]:
+        mesh, prm = meshes[n_dev], layouts[n_dev]
         tc = random_cache(cfg, T, cap, jax.random.key(2))
         dc = random_draft_cache(dcfg, T, cap, jax.random.key(3))
-        for backend in a.backends:
-            pol = SSVPolicy(**tree64, backend=backend, group_size=4)
-            st = RoundState(tc, dc, jnp.array([17], jnp.int32),
-                            jax.random.normal(jax.random.key(4), (1, cfg.hidden), jnp.bfloat16),
-                            jnp.full((1, 4096), -1, jnp.int32), jnp.ones((1,), jnp.int32), jnp.zeros((1,), bool))
-            eos = jnp.int32(-2)
-            # parameters travel as arguments: a closure would embed 16 GB of weights as compile-time constants
-            f_draft = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s, jax.random.key(0),
-                                                         eos, 4000, phase="draft").tokens)
-            f_verify = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s,
-                                                          jax.random.key(0), eos, 4000, phase="verify"))
-            t_draft = host_time(f_draft, params, dparams, st)
-            t_dv = host_time(f_verify, params, dparams, st)
-            # whole rounds: a chunk of `rounds` rounds in one while_loop, per round
-            run = lambda s: _ssv_chunk(params, dparams, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg, policy=pol,
-                                       temperature=0.0, rounds=a.rounds, max_new=4000)
-            s2 = jax.tree.map(jnp.copy, st)
-            s2, _, _ = run(s2)  # warm-up (compiles)
-            jax.block_until_ready(s2)
-            ts = []
-            for _ in range(3):
-                s3 = jax.tree.map(jnp.copy, st)
-                jax.block_until_ready(s3)
-                t = time.perf_counter()
-                s3, hist, r = run(s3)
-                jax.block_until_ready(s3)
-                ts.append((time.perf_counter() - t) * 1e3 / int(r))
-            t_round = statistics.median(ts)
-            row = dict(context=T, backend=backend, tree=tree64, round_ms=t_round, draft_ms=t_draft,
-                       verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        pol = SSVPolicy(**tree64, backend=backend, group_size=4)
+        st = RoundState(tc, dc, jnp.array([17], jnp.int32),
+                        jax.random.normal(jax.random.key(4), (1, cfg.hidden), jnp.bfloat16),
+                        jnp.full((1, 4096), -1, jnp.int32), jnp.ones((1,), jnp.int32), jnp.zeros((1,), bool))
+        dprm = dparams
+        if mesh is not None:  # tensor parallel: target params and cache over KV heads, the draft replicated
+            st = sharding.replicate(st._replace(tcache=None), mesh)._replace(tcache=sharding.shard_cache(tc, mesh))
+            dprm = sharding.replicate(dparams, mesh)
+        del tc, dc
+        eos = jnp.int32(-2)
+        # parameters travel as arguments: a closure would embed 16 GB of weights as compile-time constants
+        f_draft = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s, jax.random.key(0),
+                                                     eos, 4000, phase="draft", mesh=mesh).tokens)
+        f_verify = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s,
+                                                      jax.random.key(0), eos, 4000, phase="verify", mesh=mesh))
+        t_draft = host_time(f_draft, prm, dprm, st)
+        t_dv = host_time(f_verify, prm, dprm, st)
+        # whole rounds: a chunk of `rounds` rounds in one while_loop, per round
+        run = lambda s: _ssv_chunk(prm, dprm, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg, policy=pol,
+                                   temperature=0.0, rounds=a.rounds, max_new=4000, mesh=mesh)
+        s2 = jax.tree.map(jnp.copy, st)
+        s2, _, _ = run(s2)  # warm-up (compiles)
+        jax.block_until_ready(s2)
+        ts = []
+        for _ in range(3):
+            s3 = jax.tree.map(jnp.copy, st)
+            jax.block_until_ready(s3)
+            t = time.perf_counter()
+            s3, hist, r = run(s3)
+            jax.block_until_ready(s3)
+            ts.append((time.perf_counter() - t) * 1e3 / int(r))
+        t_round = statistics.median(ts)
+        row = dict(context=T, backend=backend, devices=n_dev, tree=tree64, round_ms=t_round, draft_ms=t_draft,
+                   verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     verify = dict(benchmark="ssv_verify_round", **meta, rows=rows,
                   timing="draft and draft+verify: median host wall clock of 10 synchronised jitted calls after "
                          "warm-up; round: a jitted while_loop of `rounds` rounds, per round, median of 3; "

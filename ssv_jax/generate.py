@@ -125,7 +125,7 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
                                  progress=progress)
     tok = sample(logits, temperature, key_first)
     if split_weights:
-        params = M.split_layers(params)
+        params = M.split_layers(params, fuse=mesh is None)  # fusing would mix TP shards
     jax.block_until_ready((tok, params))
     t1 = time.perf_counter()
     eos = jnp.int32(-2 if eos_id is None else eos_id)

@@ -219,7 +219,7 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     st = RoundState(tcache, dcache, first.astype(jnp.int32), hidden, out, jnp.ones((B,), jnp.int32),
                     (first == eos) | (max_new_tokens <= 1))
     if split_weights:
-        m = m._replace(params=M.split_layers(m.params))
+        m = m._replace(params=M.split_layers(m.params, fuse=mesh is None))  # fusing would mix TP shards
     jax.block_until_ready((st.root_hidden, m.params))
     t1 = time.perf_counter()
     per_round, trace, r_total = [], [], 0
