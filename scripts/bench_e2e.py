@@ -52,8 +52,15 @@ def main(argv=None):
     unknown = sorted(set(a.methods) - set(runs))
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; accepted: {sorted(runs)}")
+    # the longest prompt that fits the model with the new tokens and the generators' working room (a prefill
+    # chunk plus two tree depths); a longer requested context runs at this length and says so
+    longest = m.cfg.max_seq_len - a.new_tokens - 512 - 64
+    contexts = sorted({min(c, longest) for c in a.contexts})
+    if contexts != sorted(set(a.contexts)):
+        print(f"contexts {a.contexts} -> {contexts}: the model handles at most {longest} prompt tokens with "
+              f"{a.new_tokens} new tokens")
     rows = []
-    for ctx in a.contexts:
+    for ctx in contexts:
         for name, p in prompts(tok, m.cfg.vocab_size, ctx, a.prompts):
             for meth in tqdm(a.methods, desc=f"{ctx} {name}", unit="method"):
                 runs[meth](p)  # compile
@@ -64,7 +71,7 @@ def main(argv=None):
                                  decode_s=s["decode_s"], prefill_s=s["prefill_s"], policy=s.get("policy"),
                                  switches=len(s.get("switches", []))))
     summary = {}
-    for ctx in a.contexts:
+    for ctx in contexts:
         ar = np.mean([r["tokens_per_s"] for r in rows if r["context"] == ctx and r["method"] == "ar"] or [np.nan])
         for meth in a.methods:
             v = [r["tokens_per_s"] for r in rows if r["context"] == ctx and r["method"] == meth]

@@ -61,14 +61,14 @@ def main(argv=None):
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0))
     trees = [tuple(int(x) for x in t.split(",")) for t in a.trees.split(";")]
     cands = candidate_policies(trees, a.orders, a.modes, a.group_sizes, a.schedules, a.backend)
-    buckets, used = {}, []
+    per_bucket, used = {}, []  # per_bucket: bucket -> policy index -> measurements over its contexts
     for ctx in a.contexts:
         found = prompts(tok, m.cfg.vocab_size, ctx, a.prompts)
         used.extend(dict(context=ctx, file=name) for name, _ in found)
         ctx_prompts = [ids for _, ids in found]
-        rows = []
-        for pol in tqdm(cands, desc=f"profile {ctx}", unit="policy"):
-            tps, taus, round_ms = [], [], []
+        meas = per_bucket.setdefault(bucket_of(ctx), {})
+        for i, pol in enumerate(tqdm(cands, desc=f"profile {ctx}", unit="policy")):
+            tps, taus, round_ms = meas.setdefault(i, ([], [], []))
             for p in ctx_prompts:
                 kw = dict(max_new_tokens=a.new_tokens, policy=pol, prefill_chunk=512)
                 ssv_generate(m, p, **kw)  # compile
@@ -76,9 +76,9 @@ def main(argv=None):
                 tps.append(r.stats["tokens_per_s"])
                 taus.append(r.stats["tau"])
                 round_ms.append(1e3 * r.stats["decode_s"] / max(r.stats["rounds"], 1))
-            rows.append(dict(policy=pol.to_dict(), tokens_per_s=float(np.mean(tps)), tau=float(np.mean(taus)),
-                             verify_ms=float(np.mean(round_ms)), round_ms=float(np.mean(round_ms))))
-        buckets[bucket_of(ctx)] = rows
+    buckets = {b: [dict(policy=cands[i].to_dict(), tokens_per_s=float(np.mean(t)), tau=float(np.mean(u)),
+                        verify_ms=float(np.mean(r)), round_ms=float(np.mean(r)), runs=len(t))
+                   for i, (t, u, r) in meas.items()] for b, meas in per_bucket.items()}
     hw = f"{jax.devices()[0].device_kind} ({platform.machine()}, jax {jax.__version__})"
     prof = save_profile(a.out, buckets, hardware=hw, model=m.cfg.name, prompts=used,
                         extra=dict(model_source=desc, new_tokens=a.new_tokens,

@@ -92,14 +92,24 @@ class Planner:
         return cls({b: [(policy, None)] for b in map(_key, BUCKETS)})
 
     @classmethod
-    def from_profile(cls, prof: dict, precision: str = "exact", **kw) -> "Planner":
-        """Keep the policies allowed in `precision` (exact < strict < approx), in the profile's rank order."""
+    def from_profile(cls, prof: dict, precision: str = "exact", platform: str | None = None, **kw) -> "Planner":
+        """Keep the policies allowed in `precision` (exact < strict < approx), in the profile's rank order.
+
+        Off the GPU (`platform`, default `jax.default_backend()`), Pallas-kernel policies run on the reference
+        path instead (same selection and outputs; interpret-mode kernels are for tests, not generation); a
+        policy that then repeats a better-ranked one is dropped."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is invalid; accepted: {PRECISIONS}")
+        if platform is None:
+            import jax
+            platform = jax.default_backend()
         ranking = {}
         for b, rows in prof["buckets"].items():
             ok = [(SSVPolicy.from_dict(r["policy"]), float(r["tau"])) for r in rows]
             ok = [(p, t) for p, t in ok if _CLASS_RANK[p.precision] <= _CLASS_RANK[precision]]
+            if platform != "gpu":
+                ok = [(p.replace(backend="reference") if p.backend == "kernel" else p, t) for p, t in ok]
+                ok = [(p, t) for i, (p, t) in enumerate(ok) if p not in [q for q, _ in ok[:i]]]
             if ok:
                 ranking[b] = ok
         if not ranking:

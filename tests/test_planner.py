@@ -143,3 +143,17 @@ def test_ssv_generate_switches_policy_online_and_records_the_trace(profile):
     assert res.stats["switches"][0]["reason"] == "drift"
     assert res.stats["planner_us_per_switch"] is not None and res.stats["planner_us_per_chunk"] >= 0
     np.testing.assert_array_equal(res.tokens, ar_generate((cfg, params), prompt, 24, prefill_chunk=64).tokens)
+
+
+def test_kernel_policies_run_on_the_reference_path_off_the_gpu(tmp_path):
+    """A GPU profile used on a CPU: kernel policies become reference policies (same math), and a policy that then
+    repeats a better-ranked one is dropped; on the GPU the ranking is kept as profiled."""
+    k_big, k_mid = (p.replace(backend="kernel") for p in (P_BIG, P_MID))
+    path = tmp_path / "gpu.json"
+    save_profile(str(path), {"8K": _rows((k_big, 200.0, 4.0), (P_BIG, 120.0, 4.0), (k_mid, 100.0, 3.0))},
+                 hardware="NVIDIA H200", model=CFG.name, prompts=[])
+    prof = load_profile(str(path))
+    cpu = Planner.from_profile(prof, "exact", platform="cpu")
+    assert [p for p, _ in cpu.ranking["8K"]] == [P_BIG, P_MID]
+    gpu = Planner.from_profile(prof, "exact", platform="gpu")
+    assert [p for p, _ in gpu.ranking["8K"]] == [k_big, P_BIG, k_mid]
