@@ -96,8 +96,18 @@ def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, *, steps: 
     return cache, tok, done, out, n
 
 
+def default_decode_attention():
+    """The decode attention `ar_generate` uses by default: the Pallas kernels (mode A, one query per group) on a
+    GPU, the jnp reference elsewhere."""
+    if jax.default_backend() == "gpu":
+        from ssv_jax.policy import attention_for
+
+        return attention_for("kernel", "A", 1, False)
+    return nsa.nsa_attention
+
+
 def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                eos_id: int | None = None, *, schedule=None, attn=nsa.nsa_attention, chunk_steps: int = 64,
+                eos_id: int | None = None, *, schedule=None, attn=None, chunk_steps: int = 64,
                 prefill_chunk: int = 512, cache_dtype=None, progress: bool = False, mesh=None,
                 split_weights: bool = True) -> GenerateResult:
     """Autoregressive NSA decoding (optionally under a refresh/reuse `schedule`, the SSV model variant).
@@ -107,6 +117,10 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     (`model.split_layers`: per-layer buffers, fused projections; a second copy of the weights) instead of slicing
     the stacked weights inside the decode loop (about 3x slower at 8B shapes, docs/RESULTS.md).
 
+    `attn` (signature of `nsa.nsa_attention`) serves prefill and decode. By default prefill uses the jnp reference
+    and decode the Pallas kernels on a GPU (faster per step at 8B shapes, docs/RESULTS.md), the reference
+    elsewhere.
+
     Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
     cfg, params = unpack_target(model)
     _check_sampling(temperature, eos_id, cfg)
@@ -114,11 +128,13 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     B, P = prompt.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
     cache = kvc.init_cache(cfg, B, P + max_new_tokens + prefill_chunk, dtype)
+    decode_attn = attn if attn is not None else default_decode_attention()
+    attn = attn if attn is not None else nsa.nsa_attention
     if mesh is not None:
         from ssv_jax import sharding
 
         params, cache = sharding.place(params, cfg, cache, mesh)
-        attn = sharding.attention_on(attn, mesh)
+        attn, decode_attn = sharding.attention_on(attn, mesh), sharding.attention_on(decode_attn, mesh)
     key_first, key = jax.random.split(jax.random.key(seed))
     t0 = time.perf_counter()
     logits, _, cache = M.prefill(params, cfg, prompt, cache, chunk=prefill_chunk, schedule=schedule, attn=attn,
@@ -140,7 +156,7 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
         steps = min(chunk_steps, max_new_tokens - produced)
         cache, tok, done, out, n = _ar_chunk(params, cfg, cache, tok, jax.random.fold_in(key, produced), done,
                                              eos, steps=steps, temperature=float(temperature),
-                                             schedule=schedule, attn=attn)
+                                             schedule=schedule, attn=decode_attn)
         n = int(n)
         outs.append(np.asarray(out)[:, :n])
         produced += n
