@@ -10,9 +10,10 @@
 * tau (mean tokens emitted per verify round: accepted drafts + the bonus token) at temperatures 0 and 1, for
   each context length in --contexts, with a chain policy (top_k=1) and a tree policy (<= 32 nodes), through
   `ssv_jax.speculative.ssv_generate` (imported lazily; skipped with a note when it is unavailable or the bundle
-  has no draft head). Prompts are the last `context` tokens of the concatenated held-out test stream (so all
-  contexts share the same ending); a context that does not fit max_seq_len with the generation room is clipped
-  to the largest that does, and both numbers are recorded.
+  has no draft head). Prompts: the last `context` tokens of the concatenated held-out test stream (so all
+  contexts share that ending), and the first `context` tokens of --tau-files held-out files; `tau_summary` gives
+  the mean and spread over them. A context that does not fit max_seq_len with the generation room is clipped to
+  the largest that does, and both numbers are recorded.
 """
 
 from __future__ import annotations
@@ -79,10 +80,19 @@ def policies():
     return {"chain": SSVPolicy(top_k=1, depth=6, budget=7), "tree": SSVPolicy(top_k=4, depth=6, budget=32)}
 
 
+def tau_prompts(tok, vocab_size: int, test: D.TokenizedSplit, ctx: int, files: int) -> list[tuple[str, np.ndarray]]:
+    """The prompts of one context: the last `ctx` tokens of the held-out test stream (every context shares its
+    ending), then the first `ctx` tokens of each of `files` held-out files long enough (`generate_cli.prompts`)."""
+    from ssv_jax.generate_cli import prompts
+
+    out = [("test stream tail", test.tokens[len(test) - ctx:].astype(np.int32))]
+    return out + [p for p in prompts(tok, vocab_size, ctx, files) if p[0] != "random tokens"]
+
+
 def measure_tau(bundle, test: D.TokenizedSplit, contexts, temperatures, new_tokens: int, seed: int,
-                progress: bool, on_row=None) -> list[dict]:
-    """tau for every (context, temperature, policy); prompts are the last `context` held-out tokens.
-    `on_row(rows)` is called after each measurement (the script rewrites its JSON, so partial runs keep data)."""
+                progress: bool, files: int = 3, on_row=None) -> list[dict]:
+    """tau for every (context, temperature, policy, prompt); see `tau_prompts`. `on_row(rows)` is called after
+    each measurement (the script rewrites its JSON, so partial runs keep data)."""
     from ssv_jax.speculative import ssv_generate
 
     rows = []
@@ -95,20 +105,33 @@ def measure_tau(bundle, test: D.TokenizedSplit, contexts, temperatures, new_toke
             raise ValueError(f"--new-tokens={new_tokens} leaves no room for a prompt; accepted: fewer tokens")
         if ctx != requested:
             print(f"[eval] context {requested} clipped to {ctx} (max_seq_len {bundle.cfg.max_seq_len})", flush=True)
-        prompt = test.tokens[len(test) - ctx:].astype(np.int32)
-        for temp in temperatures:
-            for name, pol in policies().items():
-                t0 = time.time()
-                res = ssv_generate(bundle, prompt, max_new_tokens=new_tokens, policy=pol, temperature=temp,
-                                   seed=seed, progress=progress, prefill_chunk=PREFILL_CHUNK)
-                st = res.stats
-                rows.append({"context_requested": requested, "context": ctx, "temperature": temp, "policy_name": name, "policy": st.get("policy"),
-                             "tau": st["tau"], "rounds": st["rounds"], "new_tokens": int(res.tokens.shape[1]),
-                             "tokens_per_s": st.get("tokens_per_s"), "wall_s": time.time() - t0})
-                print(f"[eval] ctx {ctx} T={temp} {name}: tau {st['tau']:.3f} over {st['rounds']} rounds", flush=True)
-                if on_row is not None:
-                    on_row(rows)
+        for source, prompt in tau_prompts(bundle.tokenizer, bundle.cfg.vocab_size, test, ctx, files):
+            for temp in temperatures:
+                for name, pol in policies().items():
+                    t0 = time.time()
+                    res = ssv_generate(bundle, prompt, max_new_tokens=new_tokens, policy=pol, temperature=temp,
+                                       seed=seed, progress=progress, prefill_chunk=PREFILL_CHUNK)
+                    st = res.stats
+                    rows.append({"context_requested": requested, "context": ctx, "prompt": source,
+                                 "temperature": temp, "policy_name": name, "policy": st.get("policy"),
+                                 "tau": st["tau"], "rounds": st["rounds"], "new_tokens": int(res.tokens.shape[1]),
+                                 "tokens_per_s": st.get("tokens_per_s"), "wall_s": time.time() - t0})
+                    print(f"[eval] ctx {ctx} {source} T={temp} {name}: tau {st['tau']:.3f} over {st['rounds']} "
+                          "rounds", flush=True)
+                    if on_row is not None:
+                        on_row(rows)
     return rows
+
+
+def tau_summary(rows: list[dict]) -> list[dict]:
+    """Mean tau over the prompts of each (context, temperature, policy), with the per-prompt spread."""
+    keys = sorted({(r["context"], r["temperature"], r["policy_name"]) for r in rows})
+    out = []
+    for ctx, temp, name in keys:
+        taus = [r["tau"] for r in rows if (r["context"], r["temperature"], r["policy_name"]) == (ctx, temp, name)]
+        out.append({"context": ctx, "temperature": temp, "policy_name": name, "prompts": len(taus),
+                    "tau_mean": float(np.mean(taus)), "tau_min": float(min(taus)), "tau_max": float(max(taus))})
+    return out
 
 
 def main(argv=None) -> dict:
@@ -120,6 +143,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", default="1024,4096", help="comma-separated prompt lengths for tau")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--tau-files", type=int, default=3,
+                    help="held-out files used as tau prompts, besides the test stream's tail")
     ap.add_argument("--no-tau", action="store_true", help="perplexity only")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
@@ -170,9 +195,11 @@ def main(argv=None) -> dict:
             contexts = [int(c) for c in args.contexts.split(",") if c]
             temps = [float(t) for t in args.temperatures.split(",") if t]
             out["tau_settings"] = {"new_tokens": args.new_tokens, "seed": args.seed,
-                                   "prompts": "the last <context> tokens of the held-out test stream"}
+                                   "prompts": "the last <context> tokens of the held-out test stream, then the "
+                                              f"first <context> tokens of {args.tau_files} held-out files"}
             out["tau"] = measure_tau(b, test, contexts, temps, args.new_tokens, args.seed, progress,
-                                     on_row=lambda rows: write(dict(out, tau=rows)))
+                                     files=args.tau_files, on_row=lambda rows: write(dict(out, tau=rows)))
+            out["tau_summary"] = tau_summary(out["tau"])
     out["wall_s"] = time.time() - t0
     write(out)
     print(f"[eval] wrote {args.out}", flush=True)

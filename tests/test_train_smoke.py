@@ -62,6 +62,24 @@ def test_eagle3_smoke(tiny_bundle):
     assert bool(jnp.all(b.draft_params["t2d"][ids]))
 
 
+def test_eval_reports_tau_per_prompt_and_its_summary(tiny_bundle, tmp_path):
+    """eval_model on the tiny bundle with its head: tau rows for the stream tail and a held-out file, and a summary
+    whose mean lies between the prompts' extremes."""
+    import eval_model
+
+    d, _ = tiny_bundle
+    if not (d / "full").exists():
+        _run("train_eagle3.py", "--steps", 3, "--bundle", d / "bundle", "--out", d / "full",
+             "--data-dir", d / "data", "--ttt-steps", 3)
+    out = eval_model.main(["--bundle", str(d / "full"), "--out", str(tmp_path / "eval.json"), "--seq-len", "128",
+                           "--ppl-windows", "1", "--contexts", "128", "--temperatures", "0", "--new-tokens", "4",
+                           "--tau-files", "1", "--no-progress"])
+    assert {r["prompt"] for r in out["tau"]} >= {"test stream tail"} and len(out["tau"]) == 4  # 2 prompts x 2
+    for s in out["tau_summary"]:
+        assert s["prompts"] == 2 and s["tau_min"] <= s["tau_mean"] <= s["tau_max"] and s["tau_min"] >= 1.0
+    assert json.loads((tmp_path / "eval.json").read_text())["tau_summary"] == out["tau_summary"]
+
+
 def test_draft_vocab_ids():
     from train_eagle3 import draft_vocab_ids
 
