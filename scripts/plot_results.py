@@ -1,0 +1,293 @@
+r"""Draw the figures of docs/results/ from the committed JSON files there (matplotlib, Agg backend).
+
+    python scripts/plot_results.py                                   # docs/results/*.json -> docs/results/*.png
+    python scripts/plot_results.py --results-dir DIR --out-dir OUT
+
+Each figure is drawn only when all of its JSON files exist; one line per figure says what was written or
+"skipped: <json> missing". Figures, their JSON and the command that regenerates that JSON:
+
+- roofline.png            kernels_h200.json
+      python scripts/bench_kernels.py --out docs/results/kernels_h200.json
+  Achieved TFLOP/s against arithmetic intensity of the attention kernels (headline grid: C=4, gamma=0.75).
+  Bytes are the JSON's `unique_bytes`; FLOPs are not in the JSON and are computed from its shapes.
+- decode_layouts.png      decode_profile_h200.json, ar_8b_h200.json
+      python scripts/profile_decode.py --layers 4 --context 8192 --steps 16   (the JSON's "command")
+      python scripts/bench_ar.py --backend kernel --contexts 8192 32768 65536 --decode-steps 64
+  ms per decode step of each weight layout, and 8B decode ms/token against context with the weight-read floor.
+- schedule_ablation.png   schedule_8b_h200.json, schedule_decode_8b_h200.json
+      python scripts/bench_verify.py --out-verify docs/results/verify_8b_h200.json \
+          --out-schedule docs/results/schedule_8b_h200.json
+      python scripts/bench_schedule_decode.py --periods 1 2 4 8 32 --out docs/results/schedule_decode_8b_h200.json
+  Verify attention / forward ms against the refresh period P per tree, and decode ms/token against P per layout.
+- verify_split.png        verify_8b_h200.json          (scripts/bench_verify.py, as above)
+  One verify round split into draft / verify / accept+commit, per context and backend.
+- overlap_heatmap.png     layout_stability.json
+      python scripts/layout_stability.py --checkpoint checkpoints/ssv-small --context 4096 \
+          --out docs/results/layout_stability.json
+  Cross-layer layout stability (layer x offset) and adjacent-query overlap gamma per layer (bfs / dfs).
+  small_eval.json holds perplexity and tau only, no selection statistics, so this figure reads the JSON of
+  scripts/layout_stability.py; notebooks/01_overlap_and_layout_stability.ipynb computes the same on the fly.
+- e2e_speedup.png         e2e_h200.json
+      python scripts/bench_e2e.py --checkpoint checkpoints/ssv-small --contexts 4096 8192 16384 \
+          --out docs/results/e2e_h200.json
+  End-to-end tokens/s and speedup over AR against context, per method.
+
+Every plot function takes the loaded JSON dict(s) and returns a matplotlib Figure, so notebooks can call them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import textwrap
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.ticker  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_DIR = os.path.join(REPO, "docs", "results")
+
+HBM_TBPS = 4.8  # H200 HBM3e peak
+BF16_TFLOPS = 990.0  # H200 dense bf16 tensor-core peak
+DPI = 110
+
+
+def _log_ticks(ax, ticks, labels=None):
+    """A log2 x axis with exactly these ticks (no minor ticks)."""
+    ticks = sorted(ticks)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, labels or [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
+def kernel_flops(row: dict, shape: dict) -> float:
+    """Useful attention FLOPs of one kernel row: 4 * Q * Hq * D per attended key (QK^T and PV, 2 FLOPs per
+    multiply-add). Keys: n * l' selected; whole layers add the window w and the T's compressed blocks."""
+    keys = shape["n_slc"] * shape["slc_block"]
+    if row["kernel"].endswith("_layer") or row["kernel"].startswith(("refresh", "reuse")):
+        keys += shape["window"] + max((row["T"] - shape["cmp_len"]) // shape["cmp_stride"] + 1, 0)
+    return 4.0 * row["Q"] * shape["n_heads"] * shape["head_dim"] * keys
+
+
+def roofline(kern: dict):
+    """kernels_h200.json -> achieved TFLOP/s vs FLOP/byte, with the HBM and bf16 ceilings and the ridge point."""
+    shape = kern["shape"]
+    rows = [r for r in kern["rows"] if "error" not in r and r["us"] > 0 and r["C"] == 4 and r["gamma"] == 0.75
+            and not r["kernel"].startswith("refresh_part")]  # parts carry the whole layer's bytes
+    fig, ax = plt.subplots(figsize=(9, 6))
+    ridge = BF16_TFLOPS / HBM_TBPS
+    xs = np.logspace(0, 3.5, 200)
+    ax.plot(xs, np.minimum(BF16_TFLOPS, HBM_TBPS * xs), "k-", lw=1.5,
+            label=f"roofline: {HBM_TBPS} TB/s HBM, {BF16_TFLOPS:.0f} TFLOP/s bf16")
+    copy = kern.get("copy_ceiling_GBps")
+    if copy:
+        ax.plot(xs, np.minimum(BF16_TFLOPS, copy / 1e3 * xs), "k:", lw=1, label=f"measured copy {copy / 1e3} TB/s")
+    ax.axvline(ridge, color="grey", ls="--", lw=1)
+    ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, BF16_TFLOPS), xytext=(5, -15), textcoords="offset points")
+    markers = {4: "v", 16: "o", 64: "s"}
+    colors = plt.get_cmap("tab10")
+    for i, name in enumerate(dict.fromkeys(r["kernel"] for r in rows)):
+        for r in (r for r in rows if r["kernel"] == name):
+            fl = kernel_flops(r, shape)
+            ax.scatter(fl / r["unique_bytes"], fl / (r["us"] * 1e-6) / 1e12, color=colors(i % 10),
+                       marker=markers.get(r["Q"], "x"), s=14 + r["T"] / 4096, alpha=0.8)
+        ax.scatter([], [], color=colors(i % 10), marker="o", label=name)
+    for q, mk in markers.items():
+        ax.scatter([], [], color="k", marker=mk, facecolors="none", label=f"Q={q} queries")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (useful FLOP / unique byte)",
+           ylabel="achieved TFLOP/s", xlim=(3, 10 ** 3.5), ylim=(1, 2 * BF16_TFLOPS))
+    ax.set_title(f"NSA verify attention kernels on {kern.get('machine', '?')} "
+                 f"({shape.get('name', '')}, {kern.get('dtype', '')}, C=4, gamma=0.75; size ~ context T)",
+                 fontsize=10)
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.grid(True, which="both", alpha=0.2)
+    fig.text(0.01, 0.01, "Bytes: unique_bytes from the JSON (grouped_B, mode B, reads only each group's first query's "
+             "blocks, fewer bytes than that, so it can sit above the roof).\nFLOPs: computed here from the recorded shapes, 4*Q*Hq*D per "
+             "attended key, keys = n*l' (selected) [+ w + compressed blocks for whole layers].\nLeft out: "
+             "refresh_part_* rows (they carry whole-layer bytes) and rows with us <= 0.", fontsize=7)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+def decode_layouts(profile: dict, ar: dict):
+    """decode_profile_h200.json (ms/step per weight layout) and ar_8b_h200.json (ms/token vs context)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw=dict(width_ratios=(1.3, 1)))
+    items = list(profile["ms_per_step"].items())
+    names = [k.replace(" (", "\n(", 1) for k, _ in items]
+    a.barh(range(len(items)), [v for _, v in items], color="tab:blue")
+    a.set_yticks(range(len(items)), names, fontsize=7)
+    a.invert_yaxis()
+    for i, (_, v) in enumerate(items):
+        a.text(v, i, f" {v:.2f}", va="center", fontsize=8)
+    a.set(xlabel="ms per decode step", title=f"decode step by layout ({profile.get('device', '')})\n"
+          + textwrap.fill(profile.get("shape", ""), 100))
+    a.title.set_fontsize(8)
+    dec = sorted(ar["decode"], key=lambda r: r["context"])
+    ctx = [r["context"] for r in dec]
+    b.plot(ctx, [r["decode_ms_per_token"] for r in dec], "o-", label=f"AR decode ({ar.get('decode_attention', '')}"
+           " attention)")
+    if ar.get("weight_read_floor_ms"):
+        b.axhline(ar["weight_read_floor_ms"], color="r", ls="--",
+                  label=f"weight-read floor {ar['weight_read_floor_ms']:.2f} ms ({ar.get('weights_gb', 0):.1f} GB)")
+    b.set(xlabel="context (tokens)", ylabel="ms / token", ylim=(0, None),
+          title=f"{ar.get('preset', '')} decode on {ar.get('device', '')}, B={ar.get('batch', '')}")
+    _log_ticks(b, ctx)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def schedule_ablation(verify: dict, decode: dict):
+    """schedule_8b_h200.json (verify ms vs refresh period P per tree) and schedule_decode_8b_h200.json."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
+    trees = defaultdict(list)
+    for r in verify["rows"]:
+        t = r["tree"]
+        trees[f"k={t['top_k']} d={t['depth']} {t['budget']} nodes"].append(r)
+    for i, (name, rows) in enumerate(trees.items()):
+        rows = sorted(rows, key=lambda r: r["P"])
+        c = f"C{i}"
+        a.plot([r["P"] for r in rows], [r["verify_attention_ms"] for r in rows], "o-", color=c,
+               label=f"{name}: attention")
+        fw = [(r["P"], r["verify_forward_ms"]) for r in rows if r.get("verify_forward_ms") is not None]
+        if fw:
+            a.plot(*zip(*fw), "s--", color=c, label=f"{name}: whole forward")
+    a.set(xlabel="refresh period P (1 = refresh every layer)", ylabel="ms per verify",
+          title=f"verify at {verify.get('context', 0) // 1024}K, {verify.get('backend', '')}", ylim=(0, None))
+    a.title.set_fontsize(9)
+    layouts = defaultdict(list)
+    for r in decode["rows"]:
+        layouts[r["layout"]].append(r)
+    for name, rows in layouts.items():
+        rows = sorted(rows, key=lambda r: r["P"])
+        b.plot([r["P"] for r in rows], [r["decode_ms_per_token"] for r in rows], "o-", label=name)
+    b.set(xlabel="refresh period P", ylabel="ms / token", ylim=(0, None),
+          title=f"decode at {decode.get('context', 0) // 1024}K ({decode.get('decode_attention', '')} attention)")
+    for ax, data in ((a, verify), (b, decode)):
+        _log_ticks(ax, {r["P"] for r in data["rows"]})
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"refresh/reuse schedule, {verify.get('preset', '')} on {verify.get('device', '')}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def verify_split(data: dict):
+    """verify_8b_h200.json: stacked draft / verify / accept+commit ms per (context, backend)."""
+    rows = sorted(data["rows"], key=lambda r: (r["context"], r["backend"]))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for part in ("draft_ms", "verify_ms", "accept_commit_ms"):
+        v = np.array([r[part] for r in rows])
+        ax.bar(x, v, bottom=bottom, label=part[:-3].replace("_", " + "))
+        bottom += v
+    for i, r in enumerate(rows):
+        ax.text(i, bottom[i], f"{r['round_ms']:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"{r['context'] // 1024}K\n{r['backend']}" for r in rows])
+    t = rows[0]["tree"]
+    ax.set(ylabel="ms per round (label: measured round)",
+           title=f"SSV round, {data.get('preset', '')} on {data.get('device', '')}, tree k={t['top_k']} "
+                 f"d={t['depth']} {t['budget']} nodes")
+    ax.title.set_fontsize(9)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def overlap_heatmap(layout: dict):
+    """layout_stability.json (scripts/layout_stability.py): stability [layer, offset] and gamma per layer."""
+    mat = np.array([[np.nan if x is None else x for x in row] for row in layout["layer_stability"]["matrix"]], float)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    im = a.imshow(mat, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    for (j, k), v in np.ndenumerate(mat):
+        if not np.isnan(v):
+            a.text(k, j, f"{v:.2f}", ha="center", va="center", fontsize=7, color="w" if v < 0.6 else "k")
+    a.set_xticks(range(mat.shape[1]), [str(k + 1) for k in range(mat.shape[1])])
+    a.set(xlabel="offset k", ylabel="layer j", title="layout stability |S_j ∩ S_{j+k}| / |S_j|")
+    fig.colorbar(im, ax=a)
+    for order, g in layout["query_overlap"].items():
+        if isinstance(g, list):
+            b.plot(range(len(g)), g, "o-", label=f"{order} order (mean {np.mean(g):.2f})")
+    b.set(xlabel="layer", ylabel="mean gamma = |S_i ∩ S_{i+1}| / n", ylim=(0, 1),
+          title="overlap of adjacent verify queries")
+    b.legend()
+    b.grid(alpha=0.3)
+    fig.suptitle(f"{layout.get('model', '')}, context {layout.get('context', '?')}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def e2e_speedup(data: dict):
+    """e2e_h200.json (scripts/bench_e2e.py): tokens/s and speedup over AR vs context, per method."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
+    by = defaultdict(dict)
+    for key, v in data["summary"].items():
+        ctx, meth = key.split("/", 1)
+        by[meth][int(ctx)] = v
+    for meth, pts in by.items():
+        ctx = sorted(pts)
+        a.plot(ctx, [pts[c]["tokens_per_s"] for c in ctx], "o-", label=meth)
+        b.plot(ctx, [pts[c]["speedup_vs_ar"] for c in ctx], "o-", label=meth)
+    a.set(ylabel="tokens / s (decode)", title=f"{data.get('model', '')} on {data.get('device', '')}")
+    b.set(ylabel="speedup over AR NSA", title=f"{data.get('new_tokens', '')} new tokens")
+    b.axhline(1.0, color="grey", lw=1)
+    for ax in (a, b):
+        ax.set(xlabel="context (tokens)")
+        _log_ticks(ax, {c for pts in by.values() for c in pts})
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = [  # (png, function, the JSON files it reads, in argument order)
+    ("roofline.png", roofline, ["kernels_h200.json"]),
+    ("decode_layouts.png", decode_layouts, ["decode_profile_h200.json", "ar_8b_h200.json"]),
+    ("schedule_ablation.png", schedule_ablation, ["schedule_8b_h200.json", "schedule_decode_8b_h200.json"]),
+    ("verify_split.png", verify_split, ["verify_8b_h200.json"]),
+    ("overlap_heatmap.png", overlap_heatmap, ["layout_stability.json"]),
+    ("e2e_speedup.png", e2e_speedup, ["e2e_h200.json"]),
+]
+
+
+def draw_all(results_dir: str = DEFAULT_DIR, out_dir: str | None = None) -> dict:
+    """Draw every figure whose JSON files exist. Returns {png: written path, or None when skipped}."""
+    out_dir = out_dir or results_dir
+    os.makedirs(out_dir, exist_ok=True)
+    done = {}
+    for png, fn, names in FIGURES:
+        missing = [n for n in names if not os.path.exists(os.path.join(results_dir, n))]
+        if missing:
+            print(f"skipped: {missing[0]} missing ({png})")
+            done[png] = None
+            continue
+        data = []
+        for n in names:
+            with open(os.path.join(results_dir, n)) as f:
+                data.append(json.load(f))
+        fig = fn(*data)
+        path = os.path.join(out_dir, png)
+        fig.savefig(path, dpi=DPI)
+        plt.close(fig)
+        print(path)
+        done[png] = path
+    return done
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results-dir", default=DEFAULT_DIR, help="where the JSON files are (default docs/results)")
+    ap.add_argument("--out-dir", default=None, help="where the PNGs go (default: --results-dir)")
+    a = ap.parse_args(argv)
+    draw_all(a.results_dir, a.out_dir)
+
+
+if __name__ == "__main__":
+    main()
