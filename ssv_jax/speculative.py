@@ -212,8 +212,9 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         dcache = sharding.replicate(dcache, mesh)
     key_first, key = jax.random.split(jax.random.key(seed))
     t0 = time.perf_counter()
+    # the prompt runs under the initial policy's schedule: greedy SSV == greedy AR under the same schedule
     tcache, dcache, first, hidden = ssv_prefill(m, prompt, tcache, dcache, float(temperature), key_first,
-                                                chunk=prefill_chunk, progress=progress)
+                                                chunk=prefill_chunk, schedule=pol.schedule, progress=progress)
     eos = jnp.int32(-2 if eos_id is None else eos_id)
     out = jnp.full((B, max_new_tokens + max_depth + 2), -1, jnp.int32).at[:, 0].set(first)
     st = RoundState(tcache, dcache, first.astype(jnp.int32), hidden, out, jnp.ones((B,), jnp.int32),

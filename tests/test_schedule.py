@@ -110,7 +110,9 @@ def model():
 
 @pytest.mark.parametrize("P", [1, 2, 4, CFG.n_layers])
 def test_greedy_ssv_equals_greedy_ar_under_the_same_schedule(model, P):
-    prompt = np.asarray(jax.random.randint(jax.random.key(3), (1, 140), 0, CFG.vocab_size))
+    # the prompt is longer than n*l' tokens, so that the prompt's own routing depends on the schedule
+    prompt = np.asarray(jax.random.randint(jax.random.key(3), (1, 300), 0, CFG.vocab_size))
+    assert prompt.shape[1] > CFG.n_slc * CFG.slc_block
     ar = ar_generate((CFG, model.params), prompt, 120, schedule=P, prefill_chunk=64).tokens
     precision = "exact" if P == 1 else "strict"
     res = ssv_generate(model, prompt, max_new_tokens=120, prefill_chunk=64,
