@@ -9,6 +9,10 @@ round does not depend on the cache's values, only on T, so no 64K prefill is nee
 - schedule: for each refresh period P, the whole verify forward (projections and MLP included) and the NSA
   attention time of one round summed over layers (per-layer refresh and reuse attention timed N times inside one
   jit over rotated inputs, then n_R * t_R + n_U * t_U).
+
+Tensor parallelism (issue #9): `--mesh-sizes 1 2 --contexts 65536 131072 --backends kernel --skip-schedule` times
+the rounds on one device and on a 2-device "tp" mesh (target params and caches split over KV heads, the draft
+replicated; set NCCL_NVLS_ENABLE=0); each row records its `devices`.
 """
 
 from __future__ import annotations
