@@ -86,8 +86,11 @@ def _count_eqns(jaxpr, name):
 
 
 @pytest.mark.parametrize("P", [1, 4])
-def test_jaxpr_holds_scans_not_unrolled_layers(P):
+def test_jaxpr_holds_scans_not_unrolled_layers(P, monkeypatch):
     """A 16-layer model traces to one refresh layer (and one reuse layer) inside scans, not 16 layer bodies."""
+    from ssv_jax import nsa
+
+    monkeypatch.setattr(nsa, "RANK_TOPK_MAX_PAIRS", 0)  # route through lax.top_k, so routing shows as one eqn
     cfg = CFG.replace(n_layers=16, feature_layers=(2, 8, 13))
     params = jax.eval_shape(lambda k: M.init_params(cfg, k), jax.random.key(0))
     from ssv_jax import cache as kvc
