@@ -63,9 +63,7 @@ def main(argv=None):
         piece = prompt[:, done_len:ctx]
         t = time.perf_counter()
         if a.random_cache:
-            ks = jax.random.split(jax.random.key(ctx), 4)
-            cache = kvc.KVCache(*(jax.random.normal(k_, x.shape, x.dtype) for k_, x in zip(ks, cache[:4])),
-                                jnp.full((1,), ctx, jnp.int32))
+            cache = kvc.random_cache(cfg, 1, cache.capacity, ctx, jax.random.key(ctx))
             tok = jnp.array([7], jnp.int32)
         else:
             logits, _, cache = M.prefill(params, cfg, piece, cache, chunk=a.prefill_chunk, schedule=sched,

@@ -42,11 +42,7 @@ def main(argv=None):
     stacked = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
     layouts = {"per-layer": M.split_layers(stacked), "stacked segments": stacked}
     cap = kvc.cache_capacity(cfg, a.context + 4 * a.steps + 64)
-    ks = jax.random.split(jax.random.key(1), 4)
-    shapes = kvc.init_cache(cfg, 1, cap, jnp.bfloat16)  # abstract shapes only matter; filled with random values
-    cache = kvc.KVCache(*(jax.random.normal(k, x.shape, x.dtype) for k, x in zip(ks, shapes[:4])),
-                        jnp.full((1,), a.context, jnp.int32))
-    del shapes
+    cache = kvc.random_cache(cfg, 1, cap, a.context, jax.random.key(1))
     rows = []
     for layout, params in layouts.items():
         for P in (a.periods if layout == "per-layer" else a.stacked_periods):

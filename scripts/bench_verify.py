@@ -46,14 +46,6 @@ def host_time(fn, *args, reps=10):
     return statistics.median(ts)
 
 
-def random_cache(cfg, T, cap, key):
-    ks = jax.random.split(key, 4)
-    shp = (cfg.n_layers, 1, cap, cfg.n_kv_heads, cfg.head_dim)
-    cshp = (cfg.n_layers, 1, cap // cfg.cmp_stride, cfg.n_kv_heads, cfg.head_dim)
-    r = lambda k, s: jax.random.normal(k, s, jnp.bfloat16)
-    return kvc.KVCache(r(ks[0], shp), r(ks[1], shp), r(ks[2], cshp), r(ks[3], cshp), jnp.full((1,), T, jnp.int32))
-
-
 def random_draft_cache(dcfg, T, cap, key):
     k1, k2 = jax.random.split(key)
     shp = (1, cap, dcfg.n_kv_heads, dcfg.head_dim)
@@ -97,7 +89,7 @@ def main(argv=None):
     cap = kvc.cache_capacity(cfg, max(a.contexts) + 4096)  # one shape for every T: one compile per backend
     for T, backend, n_dev in [(T, b, n) for T in a.contexts for b in a.backends for n in a.mesh_sizes]:
         mesh, prm = meshes[n_dev], layouts[n_dev]
-        tc = random_cache(cfg, T, cap, jax.random.key(2))
+        tc = kvc.random_cache(cfg, 1, cap, T, jax.random.key(2))
         dc = random_draft_cache(dcfg, T, cap, jax.random.key(3))
         pol = SSVPolicy(**tree64, backend=backend, group_size=4)
         st = RoundState(tc, dc, jnp.array([17], jnp.int32),
@@ -148,7 +140,7 @@ def main(argv=None):
     # -- refresh/reuse schedules ---------------------------------------------------------------------------------
     T = a.schedule_context
     cap = kvc.cache_capacity(cfg, T + 4096)
-    tc = random_cache(cfg, T, cap, jax.random.key(5))
+    tc = kvc.random_cache(cfg, 1, cap, T, jax.random.key(5))
     srows = []
     for spec in (tree16, tree64):
         N = spec["budget"]

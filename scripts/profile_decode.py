@@ -43,12 +43,7 @@ def main():
     cfg = get_config("llama31-8b-nsa").replace(n_layers=a.layers, feature_layers=(0, a.layers // 2, a.layers - 1))
     params = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
     cap = kvc.cache_capacity(cfg, 65536 + 2048)
-    ks = jax.random.split(jax.random.key(1), 4)
-    shp = (cfg.n_layers, 1, cap, cfg.n_kv_heads, cfg.head_dim)
-    cshp = (cfg.n_layers, 1, cap // cfg.cmp_stride, cfg.n_kv_heads, cfg.head_dim)
-    mk = lambda: kvc.KVCache(jax.random.normal(ks[0], shp, jnp.bfloat16), jax.random.normal(ks[1], shp, jnp.bfloat16),
-                             jax.random.normal(ks[2], cshp, jnp.bfloat16), jax.random.normal(ks[3], cshp, jnp.bfloat16),
-                             jnp.full((1,), a.context, jnp.int32))
+    mk = lambda: kvc.random_cache(cfg, 1, cap, a.context, jax.random.key(1))  # noqa: E731
     tok = jnp.array([5], jnp.int32)
     res = {}
     split, fused = M.split_layers(params, fuse=False), M.split_layers(params)

@@ -46,11 +46,27 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None, dtype=j
     """An empty cache with room for `max_len` tokens (default `cfg.max_seq_len`)."""
     if batch < 1:
         raise ValueError(f"batch={batch} is invalid; accepted: >= 1")
-    S = cache_capacity(cfg, max_len)
-    shp = (cfg.n_layers, batch, S, cfg.n_kv_heads, cfg.head_dim)
-    cshp = (cfg.n_layers, batch, S // cfg.cmp_stride, cfg.n_kv_heads, cfg.head_dim)
+    shp, cshp = _shapes(cfg, batch, cache_capacity(cfg, max_len))
     z = jnp.zeros
     return KVCache(z(shp, dtype), z(shp, dtype), z(cshp, dtype), z(cshp, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def random_cache(cfg: ModelConfig, batch: int, capacity: int, length: int, key: jax.Array,
+                 dtype=jnp.bfloat16) -> KVCache:
+    """A cache of `capacity` slots (a multiple of `cache_capacity`'s granule) filled with random K/V and
+    compressed blocks, holding `length` committed tokens: what benchmarks use instead of a long prefill (a step's
+    cost depends on the cache's shapes and length, not on its values)."""
+    shp, cshp = _shapes(cfg, batch, capacity)
+    ks = jax.random.split(key, 4)
+    r = jax.random.normal
+    return KVCache(r(ks[0], shp, dtype), r(ks[1], shp, dtype), r(ks[2], cshp, dtype), r(ks[3], cshp, dtype),
+                   jnp.full((batch,), length, jnp.int32))
+
+
+def _shapes(cfg: ModelConfig, batch: int, capacity: int):
+    """(K/V shape [L, B, S, Hkv, D], compressed shape [L, B, S/d, Hkv, D])."""
+    return ((cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim),
+            (cfg.n_layers, batch, capacity // cfg.cmp_stride, cfg.n_kv_heads, cfg.head_dim))
 
 
 def write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:

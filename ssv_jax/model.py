@@ -135,14 +135,18 @@ def split_layers(params: dict, fuse: bool = True) -> dict:
     return {**params, "layers": out}
 
 
+def _qkvg_cuts(cfg: ModelConfig) -> np.ndarray:
+    """Where the fused `w_qkvg` columns (and its product) split into q, k, v and the gates."""
+    qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return np.cumsum([qd, kd, kd])
+
+
 def _unfuse(lp: dict, cfg: ModelConfig) -> dict:
     """Per-layer projections from a fused layer dict (no-op on an unfused one)."""
     if "w_qkvg" not in lp:
         return lp
     lp = dict(lp)
-    qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    cuts = np.cumsum([qd, kd, kd])
-    lp["wq"], lp["wk"], lp["wv"], lp["wg"] = jnp.split(lp.pop("w_qkvg"), cuts, -1)
+    lp["wq"], lp["wk"], lp["wv"], lp["wg"] = jnp.split(lp.pop("w_qkvg"), _qkvg_cuts(cfg), -1)
     lp["w_gate"], lp["w_up"] = jnp.split(lp.pop("w_gu"), 2, -1)
     return lp
 
@@ -194,8 +198,7 @@ def _qkv(lp, ctx: Ctx, x):
     B, Q, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
     if "w_qkvg" in lp:  # fused decode layout (split_layers)
-        qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        q, k, v, g = jnp.split(_mm(h, lp["w_qkvg"]), np.cumsum([qd, kd, kd]), -1)
+        q, k, v, g = jnp.split(_mm(h, lp["w_qkvg"]), _qkvg_cuts(cfg), -1)
     else:
         q, k, v, g = (_mm(h, lp[n]) for n in ("wq", "wk", "wv", "wg"))
     q = q.reshape(B, Q, cfg.n_heads, cfg.head_dim)

@@ -276,6 +276,8 @@ def nsa_attention(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, extra
     g = gates.astype(jnp.float32)
     o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
     return o.astype(q.dtype), sel
+
+
 # -- the same attention as dense masked attention (full-sequence training) ------------------------------------
 def _masked_softmax_values(s, mask, v):
     """softmax(s) over `mask` times v. s [B,Hkv,G,Q,K], v [B,K,Hkv,D] -> [B,Q,Hkv,G,D]."""
