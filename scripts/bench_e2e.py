@@ -60,7 +60,26 @@ def main(argv=None):
         print(f"contexts {a.contexts} -> {contexts}: the model handles at most {longest} prompt tokens with "
               f"{a.new_tokens} new tokens")
     rows = []
-    for ctx in contexts:
+
+    def write(done):
+        """Summarise the finished contexts and write the JSON (after each context, so a cut-off run keeps them)."""
+        summary = {}
+        for ctx in done:
+            ar = np.mean([r["tokens_per_s"] for r in rows if r["context"] == ctx and r["method"] == "ar"] or [np.nan])
+            for meth in a.methods:
+                sel = [r for r in rows if r["context"] == ctx and r["method"] == meth]
+                v = np.mean([r["tokens_per_s"] for r in sel])
+                summary[f"{ctx}/{meth}"] = dict(tokens_per_s=float(v), speedup_vs_ar=float(v / ar),
+                                                tau=float(np.mean([r["tau"] for r in sel])))
+        res = dict(benchmark="e2e", model=desc, device=jax.devices()[0].device_kind, host=platform.node(),
+                   jax=jax.__version__, new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
+                   rows=rows, summary=summary,
+                   timing="host wall clock of the decode loop after a compile run; prefill excluded")
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+        return summary
+
+    for i, ctx in enumerate(contexts):
         for name, p in prompts(tok, m.cfg.vocab_size, ctx, a.prompts):
             for meth in tqdm(a.methods, desc=f"{ctx} {name}", unit="method"):
                 runs[meth](p)  # compile
@@ -70,19 +89,7 @@ def main(argv=None):
                                  tau=s.get("tau", 1.0), rounds=s.get("rounds", s.get("steps")),
                                  decode_s=s["decode_s"], prefill_s=s["prefill_s"], policy=s.get("policy"),
                                  switches=len(s.get("switches", []))))
-    summary = {}
-    for ctx in contexts:
-        ar = np.mean([r["tokens_per_s"] for r in rows if r["context"] == ctx and r["method"] == "ar"] or [np.nan])
-        for meth in a.methods:
-            v = [r["tokens_per_s"] for r in rows if r["context"] == ctx and r["method"] == meth]
-            summary[f"{ctx}/{meth}"] = dict(tokens_per_s=float(np.mean(v)), speedup_vs_ar=float(np.mean(v) / ar),
-                                            tau=float(np.mean([r["tau"] for r in rows
-                                                               if r["context"] == ctx and r["method"] == meth])))
-    res = dict(benchmark="e2e", model=desc, device=jax.devices()[0].device_kind, host=platform.node(),
-               jax=jax.__version__, new_tokens=a.new_tokens, fixed_policy=fixed.describe(), rows=rows,
-               summary=summary, timing="host wall clock of the decode loop after a compile run; prefill excluded")
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=2)
+        summary = write(contexts[: i + 1])
     for key, v in summary.items():
         print(f"{key:28s} {v['tokens_per_s']:9.1f} tok/s  x{v['speedup_vs_ar']:.2f} vs AR  tau {v['tau']:.2f}")
 
