@@ -247,6 +247,66 @@ def e2e_speedup(data: dict):
     return fig
 
 
+def group_size_ablation(kern: dict):
+    """kernels_h200.json: kernel time vs group size C at 64K, per tree size Q (the C sweep of bench_kernels)."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=False)
+    for ax, name in zip(axes, ("grouped_A", "grouped_B", "reuse_layer")):
+        for Q in (16, 64):
+            pts = sorted((r["C"], r["us"]) for r in kern["rows"] if r["kernel"] == name and r["T"] == 65536
+                         and r["Q"] == Q and r["gamma"] == 0.75)
+            if pts:
+                ax.plot([c for c, _ in pts], [u for _, u in pts], "o-", label=f"Q={Q} tree nodes")
+        ax.set(title=f"{name}, T=64K", xlabel="group size C", ylabel="µs per call", xscale="log")
+        _log_ticks(ax, {1, 2, 4, 8})
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def routing_share(kern: dict):
+    """kernels_h200.json: a refresh layer's parts at Q=16 per context: the compressed-attention kernel, the routing
+    glue (block importance + top-n = cmp_route - cmp_kernel) and the selected+window launch."""
+    parts = {(r["kernel"], r["T"]): r["us"] for r in kern["rows"] if r["Q"] == 16 and r["gamma"] == 0.75}
+    ctx = sorted({T for k, T in parts if k == "refresh_part_cmp_route"})
+    cmp_k = np.array([parts[("refresh_part_cmp_kernel", T)] for T in ctx])
+    route = np.array([parts[("refresh_part_cmp_route", T)] for T in ctx]) - cmp_k
+    slc = np.array([parts[("refresh_part_slc_win", T)] for T in ctx])
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    x = np.arange(len(ctx))
+    ax.bar(x, cmp_k, label="compressed attention (kernel)")
+    ax.bar(x, route, bottom=cmp_k, label="routing (importance + top-n)")
+    ax.bar(x, slc, bottom=cmp_k + route, label="selected + window (kernel)")
+    for i in range(len(ctx)):
+        tot = cmp_k[i] + route[i] + slc[i]
+        ax.text(x[i], tot, f"routing {route[i] / tot:.0%}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"{T // 1024}K" for T in ctx])
+    ax.set(xlabel="context", ylabel="µs per refresh layer (Q=16, C=4)", title="routing vs attention, H200")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def planner_gain(data: dict):
+    """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context."""
+    rows = data["rows"]
+    tps = {(r["context"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows}
+    ctx = sorted({r["context"] for r in rows})
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for i, c in enumerate(ctx):
+        g = [tps[(c, p, "ssv_planner")] / tps[(c, p, "ssv")] for (cc, p, m) in tps
+             if cc == c and m == "ssv" and (c, p, "ssv_planner") in tps]
+        ax.plot([i] * len(g), g, "o", alpha=0.7)
+        if g:
+            ax.hlines(np.median(g), i - 0.2, i + 0.2, color="k")
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_xticks(range(len(ctx)), [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ctx])
+    ax.set(xlabel="context", ylabel="planner tokens/s / fixed policy's", title="planner gain per prompt (bar: median)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("roofline.png", roofline, ["kernels_h200.json"]),
     ("decode_layouts.png", decode_layouts, ["decode_profile_h200.json", "ar_8b_h200.json"]),
@@ -254,6 +314,9 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("verify_split.png", verify_split, ["verify_8b_h200.json"]),
     ("overlap_heatmap.png", overlap_heatmap, ["layout_stability.json"]),
     ("e2e_speedup.png", e2e_speedup, ["e2e_h200.json"]),
+    ("group_size_ablation.png", group_size_ablation, ["kernels_h200.json"]),
+    ("routing_share.png", routing_share, ["kernels_h200.json"]),
+    ("planner_gain.png", planner_gain, ["e2e_h200.json"]),
 ]
 
 
