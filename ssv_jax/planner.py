@@ -3,8 +3,10 @@
 Offline, `scripts/profile_policies.py` writes a versioned ranking JSON: per context bucket, the candidate policies
 with their accepted tokens/s, mean acceptance length tau and verify ms, plus the hardware and the prompts used.
 Online, `Planner` starts from the bucket's best policy within the user's precision class; after each chunk of
-rounds it compares the observed mean acceptance over a window with the profile's prediction and switches to the
-next-ranked policy when |tau_obs - tau_pred| > eps. Every switch is recorded.
+rounds it compares the observed mean acceptance over a window with the profile's prediction. When
+|tau_obs - tau_pred| > eps it re-ranks the bucket's candidates by the tokens/s predicted under the observed
+acceptance (`predict_tokens_per_s`) and switches to the best one if it beats the current policy by `min_gain`
+(a profile without tokens/s falls back to the next-ranked policy). Every switch is recorded.
 """
 
 from __future__ import annotations
@@ -73,23 +75,60 @@ def save_profile(path: str, buckets: dict, *, hardware: str, model: str, prompts
     return prof
 
 
+def chain_alpha(tau: float, depth: int) -> float:
+    """The per-step acceptance rate a of a depth-`depth` chain whose mean emitted tokens per round is `tau`:
+    tau = 1 + a + ... + a**depth (bisection; tau is clipped to [1, depth + 1])."""
+    tau = min(max(float(tau), 1.0), depth + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if chain_tau(mid, depth) < tau else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def chain_tau(alpha: float, depth: int) -> float:
+    return float(sum(alpha ** i for i in range(depth + 1)))
+
+
+def predict_tokens_per_s(rows, current: SSVPolicy, tau_obs: float) -> list[float | None]:
+    """Each candidate's tokens/s if the draft accepts as observed under `current`.
+
+    Model: each policy's profiled tau is a depth-d chain with an effective per-step rate a (branching folded in);
+    the observation rescales every a by a_obs / a_cur (a_cur from the current policy's profiled tau); the round
+    cost is the profiled one, so tokens/s scales with the predicted tau. Deep trees lose more than shallow ones
+    when acceptance drops, and gain more when it rises. None where a row lacks tokens/s or tau."""
+    cur = next((r for r in rows if r[0] == current), None)
+    if cur is None or cur[1] is None:
+        return [None] * len(rows)
+    a_cur = chain_alpha(cur[1], current.depth)
+    r = chain_alpha(tau_obs, current.depth) / a_cur if a_cur > 0 else 1.0
+    out = []
+    for p, tau, tps in rows:
+        if tau is None or tps is None or tau <= 0:
+            out.append(None)
+            continue
+        out.append(tps * chain_tau(min(1.0, chain_alpha(tau, p.depth) * r), p.depth) / tau)
+    return out
+
+
 @dataclass
 class Planner:
     """Picks and switches policies between chunks of rounds.
 
-    `ranking`: bucket -> list of (policy, predicted tau), best first, already filtered to the precision class.
-    A planner with one candidate per bucket never switches (a fixed policy)."""
+    `ranking`: bucket -> list of (policy, predicted tau, profiled tokens/s), best first, already filtered to the
+    precision class. A planner with one candidate per bucket never switches (a fixed policy)."""
 
     ranking: dict
     eps: float = 0.5
     window: int = 32
+    min_gain: float = 1.05
     switches: list = field(default_factory=list)
     _taus: list = field(default_factory=list)
     _bucket: str | None = None
 
     @classmethod
     def fixed(cls, policy: SSVPolicy) -> "Planner":
-        return cls({b: [(policy, None)] for b in map(_key, BUCKETS)})
+        return cls({b: [(policy, None, None)] for b in map(_key, BUCKETS)})
 
     @classmethod
     def from_profile(cls, prof: dict, precision: str = "exact", platform: str | None = None, **kw) -> "Planner":
@@ -105,11 +144,11 @@ class Planner:
             platform = jax.default_backend()
         ranking = {}
         for b, rows in prof["buckets"].items():
-            ok = [(SSVPolicy.from_dict(r["policy"]), float(r["tau"])) for r in rows]
-            ok = [(p, t) for p, t in ok if _CLASS_RANK[p.precision] <= _CLASS_RANK[precision]]
+            ok = [(SSVPolicy.from_dict(r["policy"]), float(r["tau"]), float(r["tokens_per_s"])) for r in rows]
+            ok = [row for row in ok if _CLASS_RANK[row[0].precision] <= _CLASS_RANK[precision]]
             if platform != "gpu":
-                ok = [(p.replace(backend="reference") if p.backend == "kernel" else p, t) for p, t in ok]
-                ok = [(p, t) for i, (p, t) in enumerate(ok) if p not in [q for q, _ in ok[:i]]]
+                ok = [(p.replace(backend="reference") if p.backend == "kernel" else p, t, v) for p, t, v in ok]
+                ok = [row for i, row in enumerate(ok) if row[0] not in [q[0] for q in ok[:i]]]
             if ok:
                 ranking[b] = ok
         if not ranking:
@@ -135,7 +174,7 @@ class Planner:
             return cls.fixed(SSVPolicy())
 
     def candidates(self) -> list[SSVPolicy]:
-        return [p for rows in self.ranking.values() for p, _ in rows]
+        return [row[0] for rows in self.ranking.values() for row in rows]
 
     def _rows(self, context: int):
         b = bucket_of(context)
@@ -156,7 +195,7 @@ class Planner:
 
     def predicted_tau(self, policy: SSVPolicy, context: int):
         _, rows = self._rows(context)
-        return next((t for p, t in rows if p == policy), None)
+        return next((t for p, t, _ in rows if p == policy), None)
 
     def observe(self, policy: SSVPolicy, emitted: np.ndarray, context: int) -> SSVPolicy:
         """Record a chunk's per-round emitted counts ([rounds, B]); return the policy for the next chunk."""
@@ -176,12 +215,19 @@ class Planner:
         obs = float(np.mean(self._taus))
         if abs(obs - pred) <= self.eps:
             return policy
-        idx = next(i for i, (p, _) in enumerate(rows) if p == policy)
-        if idx + 1 >= len(rows):
-            return policy
-        nxt = rows[idx + 1][0]
+        pred_tps = predict_tokens_per_s(rows, policy, obs)
+        idx = next(i for i, row in enumerate(rows) if row[0] == policy)
+        if any(v is None for v in pred_tps):  # no tokens/s to compare: the next-ranked policy
+            if idx + 1 >= len(rows):
+                return policy
+            nxt, why = rows[idx + 1][0], {}
+        else:
+            best = int(np.argmax(pred_tps))
+            if best == idx or pred_tps[best] < self.min_gain * pred_tps[idx]:
+                return policy
+            nxt, why = rows[best][0], dict(tokens_per_s_predicted=pred_tps[best], tokens_per_s_staying=pred_tps[idx])
         self.switches.append(dict(reason="drift", bucket=b, tau_observed=obs, tau_predicted=pred,
-                                  frm=policy.describe(), to=nxt.describe()))
+                                  frm=policy.describe(), to=nxt.describe(), **why))
         self._taus = []
         return nxt
 

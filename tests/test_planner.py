@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ssv_jax.config import get_config
-from ssv_jax.planner import Planner, ProfileError, bucket_of, load_profile, save_profile
+from ssv_jax.planner import Planner, ProfileError, bucket_of, load_profile, predict_tokens_per_s, save_profile
 from ssv_jax.policy import SSVPolicy
 
 CFG = get_config("tiny")
@@ -56,16 +56,57 @@ def test_no_switch_while_acceptance_matches_the_prediction(profile):
     assert pol == P_BIG and pl.switches == []
 
 
-def test_switch_to_the_next_ranked_policy_on_drift(profile):
+def test_a_large_drop_switches_to_the_policy_predicted_fastest(profile):
+    """tau 1.2 observed vs 4.0 predicted: the shallow 16-node tree loses less and is predicted faster."""
     pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
     pol = pl.initial(4000)
-    pol = pl.observe(pol, np.full((8, 1), 2.0), context=4000)  # tau 2.0 vs predicted 4.0
+    pol = pl.observe(pol, np.full((8, 1), 1.2), context=4000)
     assert pol == P_MID
     (sw,) = pl.switches
-    assert sw["reason"] == "drift" and sw["tau_observed"] == 2.0 and sw["tau_predicted"] == 4.0
+    assert sw["reason"] == "drift" and sw["tau_observed"] == pytest.approx(1.2) and sw["tau_predicted"] == 4.0
+    assert sw["tokens_per_s_predicted"] >= pl.min_gain * sw["tokens_per_s_staying"]
+
+
+def test_a_drift_that_leaves_the_current_policy_fastest_does_not_switch(profile):
+    """tau 2.0 vs 4.0 is a drift, but the 32-node tree is still predicted about as fast as the 16-node one (within
+    min_gain): switching would only cost a recompile."""
+    pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
+    pol = pl.initial(4000)
+    for _ in range(3):
+        pol = pl.observe(pol, np.full((8, 1), 2.0), context=4000)
+    assert pol == P_BIG and pl.switches == []
+
+
+def test_a_rise_switches_to_a_deeper_tree_when_it_pays(tmp_path):
+    path = tmp_path / "prof.json"
+    save_profile(str(path), {"8K": _rows((P_MID, 130.0, 2.0), (P_BIG, 100.0, 2.5))}, hardware="test",
+                 model=CFG.name, prompts=[])
+    pl = Planner.from_profile(load_profile(str(path)), "exact", eps=0.5, window=8)
+    pol = pl.initial(4000)
+    assert pol == P_MID
+    assert pl.observe(pol, np.full((8, 1), 4.0), context=4000) == P_BIG
+
+
+def test_without_profiled_tokens_per_s_drift_moves_to_the_next_ranked_policy():
+    pl = Planner({"8K": [(P_BIG, 4.0, None), (P_MID, 3.0, None)]}, eps=0.5, window=8)
+    pol = pl.initial(4000)
+    pol = pl.observe(pol, np.full((8, 1), 2.0), context=4000)
+    assert pol == P_MID and len(pl.switches) == 1
     # the last-ranked policy has nowhere to go: it stays, with no new switch recorded
     pol = pl.observe(pol, np.full((8, 1), 1.0), context=4000)
     assert pol == P_MID and len(pl.switches) == 1
+
+
+def test_predicted_tokens_per_s_is_the_profile_when_acceptance_is_as_profiled():
+    """On fresh random rows: observing exactly the current policy's profiled tau predicts every row's profiled
+    tokens/s; observing less never predicts more for any row."""
+    rng = np.random.default_rng()
+    pols = [SSVPolicy(top_k=4, depth=int(d), budget=int(d) + 1) for d in rng.choice(np.arange(1, 8), 5, replace=False)]
+    rows = [(p, float(rng.uniform(1.05, p.depth + 0.95)), float(rng.uniform(10, 500))) for p in pols]
+    cur = rows[int(rng.integers(len(rows)))]
+    np.testing.assert_allclose(predict_tokens_per_s(rows, cur[0], cur[1]), [v for _, _, v in rows], rtol=1e-6)
+    lower = predict_tokens_per_s(rows, cur[0], 1.0 + (cur[1] - 1.0) * rng.uniform(0, 1))
+    assert all(lo <= v * (1 + 1e-9) for lo, (_, _, v) in zip(lower, rows))
 
 
 def test_too_few_rounds_never_switch(profile):
@@ -154,6 +195,6 @@ def test_kernel_policies_run_on_the_reference_path_off_the_gpu(tmp_path):
                  hardware="NVIDIA H200", model=CFG.name, prompts=[])
     prof = load_profile(str(path))
     cpu = Planner.from_profile(prof, "exact", platform="cpu")
-    assert [p for p, _ in cpu.ranking["8K"]] == [P_BIG, P_MID]
+    assert [row[0] for row in cpu.ranking["8K"]] == [P_BIG, P_MID]
     gpu = Planner.from_profile(prof, "exact", platform="gpu")
-    assert [p for p, _ in gpu.ranking["8K"]] == [k_big, P_BIG, k_mid]
+    assert [row[0] for row in gpu.ranking["8K"]] == [k_big, P_BIG, k_mid]
