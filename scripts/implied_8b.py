@@ -34,9 +34,8 @@ def _load(results, name):
 def implied(results=RESULTS):
     """The implied-speed rows from the committed JSON files in `results`."""
     rounds = {}  # context -> (round ms, source); verify_8b first, one-GPU TP rows fill the gaps
-    for name in ("verify_8b_h200.json", "tp_h200x2.json"):
-        if name == "tp_h200x2.json" and not os.path.exists(os.path.join(results, name)):
-            continue
+    sources = ["verify_8b_h200.json"] + [n for n in ("tp_h200x2.json",) if os.path.exists(os.path.join(results, n))]
+    for name in sources:  # the TP file is optional
         for r in _load(results, name)["rows"]:
             if r["backend"] == "kernel" and r.get("devices", 1) == 1 and r["tree"] == TREE:
                 rounds.setdefault(r["context"], (r["round_ms"], name))

@@ -29,6 +29,12 @@ def profile(tmp_path):
     return str(path)
 
 
+def _exact_planner_at_4k(profile):
+    """A planner over the fixture's exact policies (eps 0.5, window 8) and its initial policy for a 4K prompt."""
+    pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
+    return pl, pl.initial(4000)
+
+
 def test_profile_round_trips_ranked_by_tokens_per_s(profile):
     prof = load_profile(profile)
     assert prof["version"] == 1 and prof["hardware"] == "test" and prof["prompts"] == ["a", "b"]
@@ -49,8 +55,7 @@ def test_initial_policy_is_the_buckets_best_within_the_class(profile):
 
 
 def test_no_switch_while_acceptance_matches_the_prediction(profile):
-    pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
-    pol = pl.initial(4000)
+    pl, pol = _exact_planner_at_4k(profile)
     for _ in range(10):
         pol = pl.observe(pol, np.full((4, 1), 4.2), context=4000)
     assert pol == P_BIG and pl.switches == []
@@ -58,8 +63,7 @@ def test_no_switch_while_acceptance_matches_the_prediction(profile):
 
 def test_a_large_drop_switches_to_the_policy_predicted_fastest(profile):
     """tau 1.2 observed vs 4.0 predicted: the shallow 16-node tree loses less and is predicted faster."""
-    pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
-    pol = pl.initial(4000)
+    pl, pol = _exact_planner_at_4k(profile)
     pol = pl.observe(pol, np.full((8, 1), 1.2), context=4000)
     assert pol == P_MID
     (sw,) = pl.switches
@@ -70,8 +74,7 @@ def test_a_large_drop_switches_to_the_policy_predicted_fastest(profile):
 def test_a_drift_that_leaves_the_current_policy_fastest_does_not_switch(profile):
     """tau 2.0 vs 4.0 is a drift, but the 32-node tree is still predicted about as fast as the 16-node one (within
     min_gain): switching would only cost a recompile."""
-    pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
-    pol = pl.initial(4000)
+    pl, pol = _exact_planner_at_4k(profile)
     for _ in range(3):
         pol = pl.observe(pol, np.full((8, 1), 2.0), context=4000)
     assert pol == P_BIG and pl.switches == []
@@ -110,8 +113,7 @@ def test_predicted_tokens_per_s_is_the_profile_when_acceptance_is_as_profiled():
 
 
 def test_too_few_rounds_never_switch(profile):
-    pl = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
-    pol = pl.initial(4000)
+    pl, pol = _exact_planner_at_4k(profile)
     assert pl.observe(pol, np.full((2, 1), 1.0), context=4000) == P_BIG
 
 
