@@ -23,14 +23,12 @@ from ._common import (NEG, cache_arg, cache_refs, check_cfg, combine, dividing_c
 
 
 def _kernel(q_ref, t_ref, meta_ref, kc_ref, vc_ref, *rest, cb: int, per: int, nch: int, stride: int,
-            cmp_len: int, scale: float, extra: bool, stacked: bool):
+            cmp_len: int, scale: float, extra: bool, stacked: bool, probs: bool):
     rest = list(rest)
     eck_ref, ecv_ref, xc_ref = (rest.pop(0) for _ in range(3)) if extra else (None,) * 3
     layer_ref = rest.pop(0) if stacked else None
-    if extra:
-        acc_ref, m_ref, l_ref, u_ref, mc_ref, xu_ref, xm_ref = rest
-    else:
-        acc_ref, m_ref, l_ref, u_ref, mc_ref = rest
+    acc_ref, m_ref, l_ref = rest[:3]
+    u_ref, mc_ref, xu_ref, xm_ref = (rest[3:] + [None, None])[:4] if probs else (None,) * 4
     kc_ref, vc_ref = cache_refs(layer_ref, (kc_ref, stacked), (vc_ref, stacked))
     split = pl.program_id(2)
     q = q_ref[...]
@@ -41,8 +39,9 @@ def _kernel(q_ref, t_ref, meta_ref, kc_ref, vc_ref, *rest, cb: int, per: int, nc
     if extra:  # per-path compressed blocks: split 0 only
         valid = (xc_ref[...] != 0) & (split == 0)
         st, p = update(st, scores(q, eck_ref[...], scale), valid, ecv_ref[...])
-        xu_ref[...] = p
-        xm_ref[...] = st[1]
+        if probs:
+            xu_ref[...] = p
+            xm_ref[...] = st[1]
 
     lo = split * per
     hi = jnp.minimum(lo + per, nch)
@@ -52,8 +51,9 @@ def _kernel(q_ref, t_ref, meta_ref, kc_ref, vc_ref, *rest, cb: int, per: int, nc
         end = (c0 + arc) * stride + cmp_len - 1
         valid = (end <= t) & (end < kvlen)
         st, p = update(st, scores(q, kc_ref.rows(c0, cb), scale), valid, vc_ref.rows(c0, cb))
-        u_ref[:, pl.ds(c0, cb)] = p
-        mc_ref[i, :] = st[1]
+        if probs:
+            u_ref[:, pl.ds(c0, cb)] = p
+            mc_ref[i, :] = st[1]
         return st
 
     def zero(i, carry):  # chunks past the last visible block: probability 0
@@ -63,7 +63,8 @@ def _kernel(q_ref, t_ref, meta_ref, kc_ref, vc_ref, *rest, cb: int, per: int, nc
 
     mid = jnp.maximum(jnp.minimum(hi, nvis), lo)
     acc, m, l = jax.lax.fori_loop(lo, mid, body, st)
-    jax.lax.fori_loop(mid, hi, zero, 0)
+    if probs:
+        jax.lax.fori_loop(mid, hi, zero, 0)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -78,9 +79,10 @@ def _query_tile(n_queries: int, g: int, max_rows: int = 64) -> int:
 
 def compressed_attention(q, q_pos, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
                          nsplit: int | None = None, interpret: bool = False, num_warps: int = 4,
-                         num_stages: int = 2):
+                         num_stages: int = 2, probs: bool = True):
     """Compressed branch with probabilities, as `nsa.compressed_branch`: returns (o_cmp [B, Q, Hq, D] fp32,
-    p [B, Q, Hkv, G, Nc], px [B, Q, Hkv, G, Ec] or None)."""
+    p [B, Q, Hkv, G, Nc], px [B, Q, Hkv, G, Ec] or None). With `probs=False` the kernel writes no probabilities
+    and returns (o_cmp, None, None): the compressed branch alone, as the two-launch reuse layer uses it."""
     B, Q, Hq, D = q.shape
     nc, H = kc.shape[1], kc.shape[2]
     G = Hq // H
@@ -113,26 +115,33 @@ def compressed_attention(q, q_pos, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.
     hds = lambda *shape: pl.BlockSpec((None, None, None, None) + shape,  # noqa: E731
                                       lambda i, j, s: (i // H, i % H, j, s) + (0,) * len(shape))
     f32 = lambda *shape: jax.ShapeDtypeStruct((B, H, qt) + shape, jnp.float32)  # noqa: E731
-    out_shape = [f32(nsplit, mp, D), f32(nsplit, mp), f32(nsplit, mp), f32(mp, nc), f32(nch, mp)]
-    out_specs = [hds(mp, D), hds(mp), hds(mp), hd(mp, nc), hd(nch, mp)]
+    out_shape = [f32(nsplit, mp, D), f32(nsplit, mp), f32(nsplit, mp)]
+    out_specs = [hds(mp, D), hds(mp), hds(mp)]
+    if probs:
+        out_shape += [f32(mp, nc), f32(nch, mp)]
+        out_specs += [hd(mp, nc), hd(nch, mp)]
     if has_x:
         ecp = next_pow2(extra.ck.shape[1])
         xcm = query_rows(pad_axis(extra.cmask.astype(bool), 2, ecp, fill=False), ct, G, mp, fill=False)
         args += [pad_axis(extra.ck, 1, ecp), pad_axis(extra.cv, 1, ecp), xcm.astype(jnp.int32)]
         specs += [cache(ecp), cache(ecp), pl.BlockSpec((None, None, mp, ecp), lambda i, j, s: (i // H, j, 0, 0))]
-        out_shape += [f32(nsplit, mp, ecp), f32(nsplit, mp)]
-        out_specs += [hds(mp, ecp), hds(mp)]
+        if probs:
+            out_shape += [f32(nsplit, mp, ecp), f32(nsplit, mp)]
+            out_specs += [hds(mp, ecp), hds(mp)]
     layer = layer_arg(kc, vc)
     if layer is not None:
         args.append(layer)
         specs.append(pl.BlockSpec((1,), lambda i, j, s: (0,)))
     kern = functools.partial(_kernel, cb=cb, per=per, nch=nch, stride=cfg.cmp_stride, cmp_len=cfg.cmp_len,
-                             scale=D ** -0.5, extra=has_x, stacked=layer is not None)
+                             scale=D ** -0.5, extra=has_x, stacked=layer is not None, probs=probs)
     outs = pallas(kern, grid=(B * H, qt, nsplit), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
                   args=args, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                   name="compressed_attention")
-    acc, m, l, u, mc = outs[:5]
-    o, mt, lt = combine(acc, m, l, axis=3)  # [B, H, QT, Mp, D], [B, H, QT, Mp]
+    o, mt, lt = combine(*outs[:3], axis=3)  # [B, H, QT, Mp, D], [B, H, QT, Mp]
+    o_cmp = jnp.moveaxis(o[:, :, :, : ct * G].reshape(B, H, qt, ct, G, D), 1, 3).reshape(B, Q, Hq, D)
+    if not probs:
+        return o_cmp, None, None
+    u, mc = outs[3:5]
     lse = jnp.where(lt > 0, mt + jnp.log(jnp.where(lt > 0, lt, 1.0)), jnp.inf)[..., None]  # p = 0 where no key
 
     def probs(u, m):  # rows [B, H, QT, Mp, K] -> [B, Q, H, G, K]
@@ -146,5 +155,4 @@ def compressed_attention(q, q_pos, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.
     if extra is not None:
         px = probs(outs[5][:, :, :, 0], outs[6][:, :, :, 0][..., None])[..., : extra.ck.shape[1]] if has_x \
             else jnp.zeros((B, Q, H, G, 0), jnp.float32)
-    o = jnp.moveaxis(o[:, :, :, : ct * G].reshape(B, H, qt, ct, G, D), 1, 3).reshape(B, Q, Hq, D)
-    return o, p, px
+    return o_cmp, p, px

@@ -35,6 +35,9 @@ from ._common import (DIRECT_IO, cache_arg, cache_refs, check_cache, check_cfg, 
                       split_count, unrows, update)
 
 
+WALKS = ("skip", "mask")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     c: int
@@ -58,6 +61,7 @@ class _Spec:
     direct: bool  # q read and outputs written in the [.., Q, Hq, D] layout (needs C*G == Mp)
     kv_stacked: bool = False  # k, v are nsa.LayerKV views (read in place from the stack)
     c_stacked: bool = False  # kc, vc likewise
+    walk: str = "skip"  # mode A's merged walk: "skip" repeated entries (lax.cond), or "mask" them branch-free
 
     @property
     def scale(self) -> float:
@@ -72,6 +76,13 @@ def _any(x, axis=None):
             y = jnp.max(y, axis=-1)
         return y > 0
     return jnp.max(y, axis=axis) > 0
+
+
+def _sum_all(x):
+    """Sum of every element, one axis at a time (the Triton lowering's reductions)."""
+    while x.ndim:
+        x = jnp.sum(x, axis=-1)
+    return x
 
 
 def _kernel(*refs, sp: _Spec):
@@ -132,22 +143,28 @@ def _kernel(*refs, sp: _Spec):
         selt = sel_ref[...]  # [C, n]
         flat = jnp.arange(sp.c, dtype=jnp.int32)[:, None] * sp.n + jnp.arange(sp.n, dtype=jnp.int32)[None, :]
 
+        def visit(blk, dup, st):
+            start = pl.multiple_of(blk * sp.ls, sp.ls)
+            pos = start + ar
+            if sp.shared:
+                member = row_ok
+            else:
+                member = _any(onehot & _any(selt == blk, axis=1)[None, :], axis=1)
+            valid = member[:, None] & (pos <= t) & (pos < kvlen)
+            if dup is not None:
+                valid = valid & ~dup
+            s = scores(q, k_ref.rows(start, sp.ls), sp.scale)
+            return update(st, s, valid, v_ref.rows(start, sp.ls))[0]
+
         def slc_body(e, st):
+            if sp.walk == "mask":  # branch-free: a repeated or empty entry loads a block and masks every row,
+                # and the id comes from the tile in registers, so the loop has no dependent scalar load
+                blk = _sum_all(jnp.where(flat == e, selt, 0))
+                dup = (blk < 0) | _any((selt == blk) & (flat < e))
+                return visit(jnp.maximum(blk, 0), dup, st)
             blk = sel_ref[e // sp.n, e % sp.n]
             skip = (blk < 0) | _any((selt == blk) & (flat < e))  # empty slot, or already walked
-
-            def visit(st):
-                start = pl.multiple_of(blk * sp.ls, sp.ls)
-                pos = start + ar
-                if sp.shared:
-                    member = row_ok
-                else:
-                    member = _any(onehot & _any(selt == blk, axis=1)[None, :], axis=1)
-                valid = member[:, None] & (pos <= t) & (pos < kvlen)
-                s = scores(q, k_ref.rows(start, sp.ls), sp.scale)
-                return update(st, s, valid, v_ref.rows(start, sp.ls))[0]
-
-            return jax.lax.cond(skip, lambda st: st, visit, st)
+            return jax.lax.cond(skip, lambda st: st, lambda st: visit(blk, None, st), st)
 
         # mode B walks the first query's blocks only
         st = jax.lax.fori_loop(*span(sp.n if sp.shared else sp.c * sp.n), slc_body, init_state(sp.mp, sp.d))
@@ -189,7 +206,7 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
                group_size: int, shared: bool = False, slc: bool = True, win: bool = False, kc=None, vc=None,
                gates=None, nsplit: int | None = None, interpret: bool = False, num_warps: int = 4,
                num_stages: int = 3, name: str = "grouped_verify", direct_io: bool | None = None,
-               cmp_chunk: int = 64):
+               cmp_chunk: int = 64, walk: str = "skip"):
     """Launches the grouped kernel for the chosen branches; `shared=True` is mode B (the group's first query's
     blocks for every query), else mode A.
 
@@ -198,7 +215,11 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
     outputs [B, Q, Hq, D] in the order (compressed, selected, window), LSE-combined over the splits in XLA.
     `cmp_chunk`: compressed keys per loop step (the largest power of two <= it dividing Nc).
     `direct_io` (default: whenever C*G is already a power of two >= 16) reads q and writes the outputs in their
-    [B, Q, Hq, ...] layout, with no row-packing pass in XLA."""
+    [B, Q, Hq, ...] layout, with no row-packing pass in XLA.
+    `walk` (mode A): "skip" visits each distinct block of the group once behind a `lax.cond`; "mask" visits every
+    entry unconditionally and masks repeats (more blocks, but a loop the compiler can pipeline)."""
+    if walk not in WALKS:
+        raise ValueError(f"walk={walk!r} is invalid; accepted: {WALKS}")
     B, Q, Hq, D = q.shape
     S, H = k.shape[1], k.shape[2]
     G = Hq // H
@@ -220,7 +241,7 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
     sp = _Spec(c=c, g=G, n=cfg.n_slc, mp=mp, d=D, ls=cfg.slc_block, window=cfg.window, cmp_len=cfg.cmp_len,
                cmp_stride=cfg.cmp_stride, cb=cb, nsplit=int(nsplit), shared=shared, slc=slc, win=win,
                cmp=has_cmp, extra=has_x, xcmp=has_xc, gated=gated,
-               direct=direct, kv_stacked=stacked(k), c_stacked=has_cmp and stacked(kc))
+               direct=direct, kv_stacked=stacked(k), c_stacked=has_cmp and stacked(kc), walk=walk)
 
     bh = lambda i: (i // H, i % H)  # noqa: E731
     row = pl.BlockSpec((None, None, None, mp, D), lambda i, g, s: (*bh(i), g, 0, 0))

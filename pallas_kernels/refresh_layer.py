@@ -23,20 +23,23 @@ def route_from_kernel(q, q_pos, kc, vc, kv_len, k_len: int, cfg: ModelConfig, ex
 
 
 def selected_and_window(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra=None, *, mode: str = "A",
-                        group_size: int = 4, nsplit: int | None = None, interpret: bool = False):
+                        group_size: int = 4, nsplit: int | None = None, interpret: bool = False,
+                        walk: str = "skip"):
     """(o_slc, o_win) fp32 for the routed `sel`: the naive per-query kernel plus a C=1 window launch in mode
-    "naive", else one grouped launch for both branches (mode "B" shares each group's first query's blocks)."""
+    "naive", else one grouped launch for both branches (mode "B" shares each group's first query's blocks;
+    `walk`: see `grouped_verify.fused_call`)."""
     if mode == "naive":
         o_slc = naive_verify(q, q_pos, k, v, kv_len, sel, cfg, extra, interpret=interpret)
         (o_win,) = fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, group_size=1, slc=False, win=True,
                               interpret=interpret, name="window_verify")
         return o_slc, o_win
     return fused_call(q, q_pos, k, v, kv_len, sel, cfg, extra, group_size=group_size, shared=mode == "B",
-                      slc=True, win=True, nsplit=nsplit, interpret=interpret)
+                      slc=True, win=True, nsplit=nsplit, interpret=interpret, walk=walk)
 
 
 def refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
-                  mode: str = "A", group_size: int = 4, nsplit: int | None = None, interpret: bool = False):
+                  mode: str = "A", group_size: int = 4, nsplit: int | None = None, interpret: bool = False,
+                  walk: str = "skip"):
     """Complete refresh-layer NSA attention: same arguments and result (o, sel) as `nsa.nsa_attention` with
     `sel=None`. Mode "B" attends (and returns) the group-shared selection; mode "naive" uses the per-query
     kernel for the selected branch."""
@@ -44,5 +47,5 @@ def refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, extra
         check_group_size(group_size, q.shape[1], q.shape[2] // k.shape[2])
     o_cmp, sel = route_from_kernel(q, q_pos, kc, vc, kv_len, k.shape[1], cfg, extra, interpret=interpret)
     o_slc, o_win = selected_and_window(q, q_pos, k, v, kv_len, sel, cfg, extra, mode=mode, group_size=group_size,
-                                       nsplit=nsplit, interpret=interpret)
+                                       nsplit=nsplit, interpret=interpret, walk=walk)
     return gate(gates, o_cmp, o_slc, o_win, q.dtype), effective_selection(sel, mode, group_size)

@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--outdir", default="/tmp/prof")
     ap.add_argument("--trace", default="nsa_fused", help="which variant to trace, list the GPU ops of and dump the HLO of")
+    ap.add_argument("--variants", nargs="+", default=None, help="run only these variants (default: all)")
+    ap.add_argument("--json", default=None, help="also write the step times and the traced GPU busy time here")
     a = ap.parse_args()
     cfg = get_config("llama31-8b-nsa").replace(n_layers=a.layers, feature_layers=(0, a.layers // 2, a.layers - 1))
     params = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
@@ -51,6 +53,8 @@ def main():
                 ("nsa_fused", fused, nsa.nsa_attention), ("no_attention_fused", fused, no_attention),
                 ("kernel_fused", fused, attention_for("kernel", "A", 1, jax.default_backend() == "cpu")))
     for name, prm, attn in variants:
+        if a.variants and name not in a.variants:
+            continue
         cache = mk()
         run = lambda c, prm=prm, attn=attn: _ar_chunk(prm, cfg, c, tok, jax.random.key(0), jnp.zeros((1,), bool),
                                                       jnp.int32(-2), steps=a.steps, temperature=0.0, schedule=None,
@@ -84,7 +88,16 @@ def main():
             rows = sorted(tot.items(), key=lambda x: -x[1])[:60]
             for n, t in rows:
                 print(f"{t / a.steps:10.1f} us/step  x{cnt[n] / a.steps:6.1f}  {n[:150]}")
+            # busy time: kernels on the GPU streams (ops with a device "stream" in their thread name or on the
+            # GPU pids), against the step's wall clock; the gap is launch latency and idle time
+            res["traced_gpu_op_us_per_step"] = sum(tot.values()) / a.steps
+            res["traced_gpu_ops_per_step"] = sum(cnt.values()) / a.steps
+            res["top_ops_us_per_step"] = {n[:120]: round(t / a.steps, 1) for n, t in rows[:25]}
+    res["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     print(json.dumps(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
 
 
 if __name__ == "__main__":

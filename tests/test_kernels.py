@@ -18,6 +18,7 @@ from ssv_jax.config import get_config
 from pallas_kernels import (compressed_attention, effective_selection, grouped_verify, merged_sizes, naive_verify,
                             nsa_attention_kernel, overlap_gamma, poison_outputs, refresh_layer, reuse_layer,
                             synthetic_selection)
+from pallas_kernels.grouped_verify import fused_call
 from pallas_kernels.groups import merged_blocks, shared_selection
 
 CFG = get_config("tiny")
@@ -80,6 +81,20 @@ def test_grouped_mode_A_equals_reference_selected_and_window(group_size, nsplit)
     assert rel_rms(o_w, ref_w) <= 1e-5
 
 
+@pytest.mark.parametrize("group_size,nsplit", [(2, 1), (4, 3)])
+def test_branch_free_walk_equals_the_skipping_walk_and_the_reference(group_size, nsplit):
+    """walk="mask" visits repeated and empty entries too, with every row masked: same result as the reference.
+    Queries share most of their blocks here, so repeats are common."""
+    a, sel = make_inputs(30 + group_size)
+    sel = jnp.where(jnp.arange(CFG.n_slc) < CFG.n_slc - 1, shared_selection(sel, group_size), sel)
+    sel = sel.at[:, 0, :, -1].set(-1)  # an empty slot
+    ref_s = nsa.selected_branch(*slc_args(a), sel, CFG, a["extra"])
+    with poison_outputs():
+        o_s, _ = fused_call(*slc_args(a), sel, CFG, a["extra"], group_size=group_size, win=True, nsplit=nsplit,
+                            walk="mask", interpret=True)
+    assert rel_rms(o_s, ref_s) <= 1e-5
+
+
 def test_grouped_mode_A_bf16_without_extra_keys():
     a, sel = make_inputs(3, jnp.bfloat16, with_extra=False)
     ref = nsa.selected_branch(*slc_args(a), sel, CFG)
@@ -117,6 +132,9 @@ def test_compressed_attention_returns_reference_outputs_and_identical_routing(wi
         o, p, px = compressed_attention(*cargs, nsplit=2, interpret=True)
     assert rel_rms(o, ro) <= 1e-5 and rel_rms(p, rp) <= 1e-5
     assert (px is None) == (rpx is None) and (px is None or rel_rms(px, rpx) <= 1e-5)
+    with poison_outputs():
+        o_only = compressed_attention(*cargs, nsplit=3, interpret=True, probs=False)
+    assert o_only[1] is None and o_only[2] is None and rel_rms(o_only[0], ro) <= 1e-5
     cidx = None if ex is None else ex.cidx
     route = lambda p, px: nsa.route(nsa.block_importance(p, px, cidx, CFG, S // CFG.slc_block), a["q_pos"], CFG)  # noqa
     assert (route(p, px) == route(rp, rpx)).all()
@@ -146,11 +164,13 @@ def test_reuse_layer_one_launch_equals_nsa_attention_with_inherited_sel(dtype, m
     assert o.dtype == dtype and rel_rms(o, ref_o) <= TOL[dtype]
 
 
-def test_reuse_layer_split_variant_equals_reference():
+@pytest.mark.parametrize("launches,walk", [(1, "skip"), (2, "skip"), (2, "mask")])
+def test_reuse_layer_split_and_two_launch_variants_equal_reference(launches, walk):
     a, sel = make_inputs(9)
     ref_o, _ = nsa.nsa_attention(**a, cfg=CFG, sel=sel)
     with poison_outputs():
-        o, _ = reuse_layer(**a, sel=sel, cfg=CFG, group_size=2, nsplit=3, interpret=True)
+        o, _ = reuse_layer(**a, sel=sel, cfg=CFG, group_size=2, nsplit=3, interpret=True, launches=launches,
+                           walk=walk)
     assert rel_rms(o, ref_o) <= 1e-5
 
 

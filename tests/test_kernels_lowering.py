@@ -47,6 +47,8 @@ CASES = {  # name -> (fn(arrays, sel, extra), Pallas launches)
                                                         x), 1),
     "refresh_layer": (lambda a, s, x: refresh_layer(**a, cfg=CFG, extra=x, group_size=C), 2),
     "reuse_layer": (lambda a, s, x: reuse_layer(**a, sel=s, cfg=CFG, extra=x, group_size=C), 1),
+    "reuse_layer_two_launches_masked_walk": (lambda a, s, x: reuse_layer(**a, sel=s, cfg=CFG, extra=x, group_size=C,
+                                                                         launches=2, walk="mask"), 2),
     "dispatch_refresh": (lambda a, s, x: nsa_attention_kernel(**a, cfg=CFG, extra=x, group_size=C), 2),
     "dispatch_reuse_B": (lambda a, s, x: nsa_attention_kernel(**a, cfg=CFG, extra=x, sel=s, mode="B",
                                                               group_size=C), 1),
