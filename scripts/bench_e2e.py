@@ -5,8 +5,15 @@
     python scripts/bench_e2e.py --random-preset tiny --contexts 256 --new-tokens 16 --out /tmp/e2e.json
 
 Methods: AR NSA; naive SD+NSA (per-query kernel, no grouping, no reuse); SSV with a fixed policy (the best
-fixed one given, kernel path); SSV with the planner (policy "auto"); dense EAGLE-3 SD (the same weights with
-dense attention). Each method runs once per prompt to compile, then once timed; tokens/s excludes prefill.
+fixed one given, kernel path; `--tree`, and `--schedule`, which the baselines do not take); SSV with the planner
+(policy "auto"); dense EAGLE-3 SD (the same weights with dense attention). Each method runs once per prompt to
+compile, then once timed; tokens/s excludes prefill.
+
+Round time split (issue #8; off with `--no-split`): after each context's methods, one SSV round of the fixed
+policy from the first prompt's prefilled state is split into draft, routing, attention (the NSA branches), the rest
+of the target (projections, MLP, norms, lm_head) and accept+commit. The split is a model from differences of timed
+jitted stages and of one layer's refresh vs reuse attention call (`ssv_jax.timing.SPLIT_METHOD`); the JSON's
+`split` holds one row per context, with the tau of that prompt's "ssv" run.
 """
 
 from __future__ import annotations
@@ -19,10 +26,18 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from ssv_jax import model as M
+from ssv_jax import timing
 from ssv_jax.generate import ar_generate
 from ssv_jax.generate_cli import load_model, prompts
 from ssv_jax.policy import SSVPolicy
+from ssv_jax.schedule import parse
 from ssv_jax.speculative import ssv_generate
+
+
+def schedule_arg(s: str):
+    """--schedule: a refresh period P (an integer) or an R/U string."""
+    return int(s) if s.isdigit() else s
 
 
 def main(argv=None):
@@ -35,19 +50,27 @@ def main(argv=None):
     ap.add_argument("--tree", type=int, nargs=3, default=[4, 5, 16], metavar=("TOP_K", "DEPTH", "BUDGET"))
     ap.add_argument("--backend", default="kernel", choices=["kernel", "reference"],
                     help="the SSV attention path (naive SD+NSA always uses the per-query kernel)")
+    ap.add_argument("--schedule", type=schedule_arg, default=None,
+                    help="the fixed policy's refresh/reuse schedule: a period P or an R/U string (default: refresh "
+                         "every layer, precision 'exact'; otherwise 'strict')")
     ap.add_argument("--methods", nargs="+", default=["ar", "naive", "ssv", "ssv_planner", "dense_sd"])
+    ap.add_argument("--no-split", action="store_true", help="skip the per-context round time split")
     ap.add_argument("--out", default="docs/results/e2e_h200.json")
     a = ap.parse_args(argv)
 
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0))
     k, d, b = a.tree
-    fixed = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend)
+    exact = a.schedule is None or all(parse(a.schedule, m.cfg.n_layers))
+    fixed = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend, schedule=a.schedule,
+                      precision="exact" if exact else "strict")
+    fixed.check_for(m.cfg)
+    base = fixed.replace(schedule=None, precision="exact")  # the baselines never reuse a selection
     runs = {
         "ar": lambda p: ar_generate((m.cfg, m.params), p, a.new_tokens),
-        "naive": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=fixed.replace(backend="naive")),
+        "naive": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=base.replace(backend="naive")),
         "ssv": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=fixed),
         "ssv_planner": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy="auto"),
-        "dense_sd": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=fixed.replace(backend="dense")),
+        "dense_sd": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=base.replace(backend="dense")),
     }
     unknown = sorted(set(a.methods) - set(runs))
     if unknown:
@@ -59,7 +82,19 @@ def main(argv=None):
     if contexts != sorted(set(a.contexts)):
         print(f"contexts {a.contexts} -> {contexts}: the model handles at most {longest} prompt tokens with "
               f"{a.new_tokens} new tokens")
-    rows = []
+    rows, split = [], []
+    m_dec = None if a.no_split else m._replace(params=M.split_layers(m.params))  # the rounds' weight layout
+
+    def split_row(ctx, name, p):
+        """The round time split of the fixed policy from prompt p's prefilled state (ms)."""
+        st, eos = timing.prefilled_state(m, p, fixed, a.new_tokens)
+        tau = [r["tau"] for r in rows if r["context"] == ctx and r["prompt"] == name and r["method"] == "ssv"]
+        row = dict(context=ctx, prompt=name, **timing.ssv_round_split(m_dec, fixed, st, eos),
+                   tau=tau[0] if tau else None)
+        parts = " + ".join(f"{key[:-3]} {row[key]:.3f}" for key in timing.SPLIT_PARTS)
+        note = f"  (negative, kept: {', '.join(row['negative'])})" if row["negative"] else ""
+        print(f"{ctx} split ms: {parts} = round {row['round_ms']:.3f}; n_refresh {row['n_refresh']}{note}")
+        return row
 
     def write(done):
         """Summarise the finished contexts and write the JSON (after each context, so a cut-off run keeps them)."""
@@ -75,12 +110,15 @@ def main(argv=None):
                    jax=jax.__version__, new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
                    rows=rows, summary=summary,
                    timing="host wall clock of the decode loop after a compile run; prefill excluded")
+        if not a.no_split:
+            res.update(split=split, split_timing=timing.SPLIT_METHOD)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)
         return summary
 
     for i, ctx in enumerate(contexts):
-        for name, p in prompts(tok, m.cfg.vocab_size, ctx, a.prompts):
+        ps = prompts(tok, m.cfg.vocab_size, ctx, a.prompts)
+        for name, p in ps:
             for meth in tqdm(a.methods, desc=f"{ctx} {name}", unit="method"):
                 runs[meth](p)  # compile
                 r = runs[meth](p)
@@ -89,6 +127,8 @@ def main(argv=None):
                                  tau=s.get("tau", 1.0), rounds=s.get("rounds", s.get("steps")),
                                  decode_s=s["decode_s"], prefill_s=s["prefill_s"], policy=s.get("policy"),
                                  switches=len(s.get("switches", []))))
+        if not a.no_split:
+            split.append(split_row(ctx, *ps[0]))
         summary = write(contexts[: i + 1])
     for key, v in summary.items():
         print(f"{key:28s} {v['tokens_per_s']:9.1f} tok/s  x{v['speedup_vs_ar']:.2f} vs AR  tau {v['tau']:.2f}")

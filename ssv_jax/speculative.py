@@ -166,6 +166,32 @@ def ssv_prefill(m: SSVModel, prompt: np.ndarray, tcache, dcache, temperature: fl
     return tcache, holder["dcache"], holder["first"], holder["hidden"]
 
 
+def new_caches(m: SSVModel, prompt_ids, max_new_tokens: int, max_depth: int, prefill_chunk: int = 512,
+               cache_dtype=None):
+    """The validated prompt [B, P] and empty target and head caches with room for it, a prefill chunk's padding,
+    `max_new_tokens` and two trees of depth `max_depth`: (prompt, tcache, dcache)."""
+    prompt = prepare_prompt(m.cfg, prompt_ids, max_new_tokens, extra_room=prefill_chunk + 2 * (max_depth + 2))
+    B, P = prompt.shape
+    dtype = cache_dtype or jax.tree.leaves(m.params)[0].dtype
+    room = P + prefill_chunk + max_new_tokens + 2 * (max_depth + 2)
+    tcache = kvc.init_cache(m.cfg, B, room, dtype)
+    return prompt, tcache, dr.init_draft_cache(m.draft_cfg, B, dtype, max_len=tcache.capacity)
+
+
+def first_state(m: SSVModel, prompt: np.ndarray, tcache, dcache, eos, max_new_tokens: int, max_depth: int, *,
+                temperature: float = 0.0, key=None, prefill_chunk: int = 512, schedule=None,
+                progress: bool = False) -> RoundState:
+    """Prefill `prompt` into the caches (`ssv_prefill`) and return the first round's state: the sampled first
+    token as root and as the first emitted token."""
+    key = jax.random.key(0) if key is None else key
+    tcache, dcache, first, hidden = ssv_prefill(m, prompt, tcache, dcache, temperature, key, chunk=prefill_chunk,
+                                                schedule=schedule, progress=progress)
+    B = prompt.shape[0]
+    out = jnp.full((B, max_new_tokens + max_depth + 2), -1, jnp.int32).at[:, 0].set(first)
+    return RoundState(tcache, dcache, first.astype(jnp.int32), hidden, out, jnp.ones((B,), jnp.int32),
+                      (first == eos) | (max_new_tokens <= 1))
+
+
 def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", temperature: float = 0.0,
                  seed: int = 0, eos_id: int | None = None, chunk_rounds: int = 16, prefill_chunk: int = 512,
                  planner=None, cache_dtype=None, progress: bool = False, mesh=None,
@@ -198,12 +224,8 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         cand.check_for(cfg)
     pol = planner.initial(prompt_len=np.asarray(prompt_ids).shape[-1])
     max_depth = max(p.depth for p in planner.candidates())
-    prompt = prepare_prompt(cfg, prompt_ids, max_new_tokens, extra_room=prefill_chunk + 2 * (max_depth + 2))
-    B, P = prompt.shape
-    dtype = cache_dtype or jax.tree.leaves(m.params)[0].dtype
-    room = P + prefill_chunk + max_new_tokens + 2 * (max_depth + 2)
-    tcache = kvc.init_cache(cfg, B, room, dtype)
-    dcache = dr.init_draft_cache(m.draft_cfg, B, dtype, max_len=tcache.capacity)
+    prompt, tcache, dcache = new_caches(m, prompt_ids, max_new_tokens, max_depth, prefill_chunk, cache_dtype)
+    B = prompt.shape[0]
     if mesh is not None:
         from ssv_jax import sharding
 
@@ -211,14 +233,11 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         m = SSVModel(cfg, params, m.draft_cfg, sharding.replicate(m.draft_params, mesh))
         dcache = sharding.replicate(dcache, mesh)
     key_first, key = jax.random.split(jax.random.key(seed))
+    eos = jnp.int32(-2 if eos_id is None else eos_id)
     t0 = time.perf_counter()
     # the prompt runs under the initial policy's schedule: greedy SSV == greedy AR under the same schedule
-    tcache, dcache, first, hidden = ssv_prefill(m, prompt, tcache, dcache, float(temperature), key_first,
-                                                chunk=prefill_chunk, schedule=pol.schedule, progress=progress)
-    eos = jnp.int32(-2 if eos_id is None else eos_id)
-    out = jnp.full((B, max_new_tokens + max_depth + 2), -1, jnp.int32).at[:, 0].set(first)
-    st = RoundState(tcache, dcache, first.astype(jnp.int32), hidden, out, jnp.ones((B,), jnp.int32),
-                    (first == eos) | (max_new_tokens <= 1))
+    st = first_state(m, prompt, tcache, dcache, eos, max_new_tokens, max_depth, temperature=float(temperature),
+                     key=key_first, prefill_chunk=prefill_chunk, schedule=pol.schedule, progress=progress)
     if split_weights:
         m = m._replace(params=M.split_layers(m.params, fuse=mesh is None))  # fusing would mix TP shards
     jax.block_until_ready((st.root_hidden, m.params))

@@ -1,5 +1,6 @@
 """The benchmark and profiling scripts' contracts, at the tiny preset on CPU: what they write, not how fast."""
 
+import argparse
 import importlib
 import json
 import sys
@@ -45,17 +46,59 @@ def test_schedule_decode_bench_reports_each_period_against_the_plain_loop(tmp_pa
     assert all(r["decode_ms_per_token"] > 0 and r["first_call_s"] > 0 for r in res["rows"])
 
 
-def test_e2e_bench_clamps_contexts_to_what_the_model_handles(tmp_path, capsys):
+def test_e2e_bench_clamps_contexts_and_splits_the_fixed_policys_round(tmp_path, capsys):
+    """Contexts beyond the model run at the longest it handles. The round split of the fixed policy (schedule
+    P=2: RURU) has one row for the context: finite parts that sum to the round, the schedule's refresh count, and
+    the tau of the same prompt's ssv run."""
     out = tmp_path / "e2e.json"
     _script("bench_e2e").main(["--random-preset", "tiny", "--contexts", "100000", "--prompts", "1",
                                "--new-tokens", "4", "--tree", "2", "2", "4", "--backend", "reference",
-                               "--methods", "ar", "ssv", "--out", str(out)])
+                               "--schedule", "2", "--methods", "ar", "ssv", "--out", str(out)])
     res = json.loads(out.read_text())
     longest = 2048 - 4 - 512 - 64  # tiny max_seq_len minus the new tokens and the working room
     assert {r["context"] for r in res["rows"]} == {longest}
     assert set(res["summary"]) == {f"{longest}/ar", f"{longest}/ssv"}
     assert res["summary"][f"{longest}/ar"]["speedup_vs_ar"] == pytest.approx(1.0)
-    assert "handles at most" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "handles at most" in printed and f"{longest} split ms:" in printed
+    ssv = next(r for r in res["rows"] if r["method"] == "ssv")
+    (row,) = res["split"]
+    assert (row["context"], row["prompt"], row["tau"]) == (longest, ssv["prompt"], ssv["tau"])
+    assert (row["n_refresh"], row["n_layers"]) == (2, 4)
+    parts = [row[k] for k in ("draft_ms", "routing_ms", "attention_ms", "rest_of_target_ms", "accept_commit_ms")]
+    assert np.all(np.isfinite(parts))
+    assert row["draft_ms"] > 0 and row["round_ms"] > 0 and row["verify_ms"] > 0
+    assert row["attn_refresh_layer_us"] > 0 and row["attn_reuse_layer_us"] > 0
+    assert row["attention_ms"] == pytest.approx(4 * row["attn_reuse_layer_us"] / 1e3)
+    assert row["routing_ms"] == pytest.approx(2 * (row["attn_refresh_layer_us"] - row["attn_reuse_layer_us"]) / 1e3)
+    assert sum(parts) == pytest.approx(row["round_ms"], rel=1e-6)
+    assert row["negative"] == [k for k in ("draft_ms", "routing_ms", "attention_ms", "rest_of_target_ms",
+                                           "accept_commit_ms") if row[k] < 0]
+    assert "differences" in res["split_timing"]
+
+
+def test_round_split_leaves_the_state_and_matches_generation(tmp_path):
+    """The timed chunk donates its state: round_split must time copies and leave the caller's state usable; the
+    prefilled state is ssv_generate's (same first token)."""
+    import jax
+
+    from ssv_jax import model as M
+    from ssv_jax import timing
+    from ssv_jax.generate_cli import load_model
+    from ssv_jax.policy import SSVPolicy
+    from ssv_jax.speculative import ssv_generate
+
+    m, _, _ = load_model(argparse.Namespace(random_preset="tiny", checkpoint=None, seed=0))
+    pol = SSVPolicy(top_k=2, depth=2, budget=4, order="dfs", backend="reference")
+    p = np.random.default_rng(0).integers(0, m.cfg.vocab_size, 300).astype(np.int32)
+    st, eos = timing.prefilled_state(m, p, pol, 8)
+    assert int(st.root_token[0]) == int(ssv_generate(m, p, max_new_tokens=1, policy=pol).tokens[0, 0])
+    r = timing.round_split(m._replace(params=M.split_layers(m.params)), pol, st, eos, rounds=2, reps=1)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(st))
+    assert r["round_ms"] > 0 and r["draft_ms"] > 0
+    assert r["accept_commit_ms"] == pytest.approx(r["round_ms"] - r["draft_ms"] - r["verify_ms"])
+    with pytest.raises(ValueError, match="room"):
+        timing.round_split(m, pol, st, eos, rounds=10_000)
 
 
 def test_implied_8b_speed_combines_round_cost_ar_step_and_tau(tmp_path):

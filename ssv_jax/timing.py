@@ -1,0 +1,168 @@
+"""Timing helpers for the benchmark scripts: host wall clock of jitted calls, and the time split of one SSV round.
+
+The split of a round (issue #8) is a model built from differences of timed jitted functions, not a trace:
+
+* `round_split`: draft-only, draft+verify (`ssv_round(phase=...)`) and whole rounds (`_ssv_chunk`, per round);
+  verify = (draft+verify) - draft, accept_commit = round - (draft+verify) (the method of `scripts/bench_verify.py`).
+* `attention_split`: one layer's attention call at the round's shapes, as a refresh layer (`sel=None`: routing +
+  branches) and as a reuse layer (inherited selection: branches only).
+* `ssv_round_split`: both, with routing = n_R x (t_refresh - t_reuse), attention = L x t_reuse and
+  rest of target = verify - routing - attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssv_jax import model as M
+from ssv_jax import nsa
+from ssv_jax.policy import SSVPolicy, attention_for
+from ssv_jax.speculative import RoundState, SSVModel, _ssv_chunk, first_state, new_caches, ssv_round
+
+SPLIT_PARTS = ("draft_ms", "routing_ms", "attention_ms", "rest_of_target_ms", "accept_commit_ms")
+SPLIT_METHOD = (
+    "a model from differences, not a trace. draft: median host wall clock of `reps` synchronised jitted "
+    "ssv_round(phase='draft') calls after a warm-up; verify = jitted ssv_round(phase='verify') (draft + verify "
+    "forward) - draft; round: a jitted while_loop of `rounds` rounds (_ssv_chunk) per round, median over `reps` "
+    "runs after a compile run; accept_commit = round - (draft + verify) (includes the loop's bookkeeping, and "
+    "absorbs the dispatch that the separately called stages pay and the chunk amortises). The verify forward is "
+    "then split with one layer's attention call at this state's shapes (layer 0's cache, the drafted tree's "
+    "positions and masks, random queries/gates/tree keys over rotated sets, `iters` calls inside one jitted "
+    "fori_loop): t_R = refresh layer (routing + branches), t_U = reuse layer (inherited selection: branches "
+    "only); routing = n_refresh x (t_R - t_U), attention = n_layers x t_U, rest_of_target = verify - routing - "
+    "attention (projections, MLP, norms, lm_head, per-path compressed blocks, and whatever the isolated layer "
+    "calls miss of the in-model cost). Parts sum to round_ms by construction; differences are kept unclamped, "
+    "so a part within timing noise of 0 can come out negative (listed in the row's `negative`).")
+
+
+def host_time(fn, *args, reps=10):
+    """Median host wall clock of a synchronised jitted call, after one warm-up call (ms)."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+def prefilled_state(model: SSVModel, prompt_ids, policy: SSVPolicy, max_new_tokens: int, *,
+                    prefill_chunk: int = 512, eos_id: int | None = None):
+    """The first round's state of `ssv_generate(model, prompt_ids, policy=policy, ...)` (greedy, seed 0): the
+    library's caches and chunked prefill under the policy's schedule. Returns (state, eos)."""
+    policy.check_for(model.cfg)
+    prompt, tcache, dcache = new_caches(model, prompt_ids, max_new_tokens, policy.depth, prefill_chunk)
+    eos = jnp.int32(-2 if eos_id is None else eos_id)
+    st = first_state(model, prompt, tcache, dcache, eos, max_new_tokens, policy.depth, key=jax.random.key(0),
+                     prefill_chunk=prefill_chunk, schedule=policy.schedule)
+    return st, eos
+
+
+@functools.lru_cache(maxsize=None)
+def _stage(cfg, dcfg, policy: SSVPolicy, phase: str):
+    """A jitted `ssv_round` stage (greedy): (params, draft_params, state, eos) -> the draft tree ("draft") or the
+    verify logits ("verify"). Cached so that `round_split` and `attention_split` share one compile."""
+    return jax.jit(lambda p, dp, s, eos: ssv_round(SSVModel(cfg, p, dcfg, dp), policy, 0.0, s, jax.random.key(0),
+                                                   eos, 1 << 30, phase=phase))
+
+
+def round_split(model: SSVModel, policy: SSVPolicy, state: RoundState, eos, *, rounds: int = 8, reps: int = 5):
+    """Draft / verify / accept+commit of one greedy round from `state` (ms), by differences.
+
+    draft = median host time of the draft stage; verify = (draft + verify stage) - draft; round = a jitted chunk of
+    `rounds` rounds from a copy of `state` (the chunk donates its state; `state` stays intact), per round, median of
+    `reps` after a compile run; accept_commit = round - (draft + verify). Pass the decode weight layout
+    (`model.split_layers`) to time what `ssv_generate` runs. Returns dict(draft_ms, verify_ms, accept_commit_ms,
+    round_ms)."""
+    cfg, dcfg = model.cfg, model.draft_cfg
+    room = state.tcache.capacity - int(np.max(np.asarray(state.tcache.length)))
+    if rounds * (policy.depth + 1) > room:
+        raise ValueError(f"rounds={rounds} of depth-{policy.depth} trees may commit {rounds * (policy.depth + 1)} "
+                         f"tokens but the cache has room for {room}; accepted: fewer rounds or a larger cache")
+    args = (model.params, model.draft_params, state, eos)
+    t_draft = host_time(_stage(cfg, dcfg, policy, "draft"), *args, reps=reps)
+    t_dv = host_time(_stage(cfg, dcfg, policy, "verify"), *args, reps=reps)
+    ts = []
+    for rep in range(reps + 1):  # the first run compiles
+        s = jax.tree.map(jnp.copy, state)
+        jax.block_until_ready(s)
+        t = time.perf_counter()
+        s, hist, r = _ssv_chunk(model.params, model.draft_params, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg,
+                                policy=policy, temperature=0.0, rounds=rounds, max_new=1 << 30)
+        jax.block_until_ready(s)
+        if int(r) == 0:
+            raise ValueError("the state is already done (every row finished); accepted: a state with a live row")
+        if rep:
+            ts.append((time.perf_counter() - t) * 1e3 / int(r))
+        del s, hist
+    t_round = statistics.median(ts)
+    return dict(draft_ms=t_draft, verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv, round_ms=t_round)
+
+
+def attention_split(model: SSVModel, policy: SSVPolicy, state: RoundState, *, iters: int = 16, sets: int = 4,
+                    reps: int = 5, seed: int = 0):
+    """One layer's attention call (the policy's `attention_for`) at this state's verify shapes, as a refresh layer
+    and as a reuse layer: returns (t_refresh_us, t_reuse_us) per call.
+
+    Inputs: layer 0's committed cache of `state`; the tree the head drafts from `state` (its node positions,
+    ancestor mask and per-path compressed-block ids); random queries, gates and in-flight tree keys/values in
+    `sets` rotated sets (their values do not change the cost; rotation keeps the loop from reusing one input).
+    The refresh call routes (`sel=None`); the reuse call takes the selection a refresh call returned. Each is
+    timed as `iters` calls inside one jitted fori_loop (median of `reps` host-timed loops, / iters), so dispatch
+    is amortised."""
+    cfg = model.cfg
+    attn = attention_for(policy.backend, policy.mode, policy.group_size, jax.default_backend() == "cpu")
+    tree = _stage(cfg, model.draft_cfg, policy, "draft")(model.params, model.draft_params, state, jnp.int32(-2))
+    tc = state.tcache
+    T = tc.length
+    B, N = tree.tokens.shape
+    dt = tc.k.dtype
+    completes, cidx = M._path_block_plan(cfg, T, M.TreeInputs(tree.tokens, tree.depth, tree.mask))[:2]
+    pos = T[:, None] + tree.depth
+    ks = jax.random.split(jax.random.key(seed), 6)
+    qs = jax.random.normal(ks[0], (sets, B, N, cfg.n_heads, cfg.head_dim), dt)
+    gs = jax.nn.sigmoid(jax.random.normal(ks[1], (sets, B, N, cfg.n_heads, 3)))
+    kv = [jax.random.normal(k, (sets, B, N, cfg.n_kv_heads, cfg.head_dim), dt) for k in ks[2:]]
+    extra = nsa.Extra(kv[0][0], kv[1][0], pos, tree.mask, kv[2][0], kv[3][0], cidx, tree.mask & completes[:, None])
+    layer = (tc.k[0], tc.v[0], tc.kc[0], tc.vc[0])
+    _, sel0 = jax.jit(lambda q, g, ex, lay: attn(q, pos, g, *lay, T, cfg, extra=ex))(qs[0], gs[0], extra, layer)
+
+    def loop(refresh):
+        def run(sel, qs, gs, kv, lay):
+            def body(i, acc):
+                j = i % sets
+                ex = extra._replace(k=kv[0][j], v=kv[1][j], ck=kv[2][j], cv=kv[3][j])
+                o, _ = attn(qs[j], pos, gs[j], *lay, T, cfg, extra=ex, sel=None if refresh else sel)
+                return acc + jnp.sum(o.astype(jnp.float32))
+            return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+        return jax.jit(run)
+
+    args = (sel0, qs, gs, kv, layer)
+    return (host_time(loop(True), *args, reps=reps) / iters * 1e3,
+            host_time(loop(False), *args, reps=reps) / iters * 1e3)
+
+
+def ssv_round_split(model: SSVModel, policy: SSVPolicy, state: RoundState, eos, *, rounds: int = 8, reps: int = 5,
+                    iters: int = 16):
+    """The five-part split of one round (ms): draft, routing, attention (the NSA branches), rest of the target
+    (projections, MLP, norms, lm_head, ...) and accept+commit, plus round_ms, verify_ms, the per-layer attention
+    times (µs), n_refresh / n_layers of the policy's schedule, and `negative`: the parts that came out below 0
+    (kept, not clamped). Method: `SPLIT_METHOD`."""
+    r = round_split(model, policy, state, eos, rounds=rounds, reps=reps)
+    t_ref, t_reu = attention_split(model, policy, state, iters=iters, reps=reps)
+    flags = policy.flags(model.cfg)
+    n_r, n_l = sum(flags), len(flags)
+    routing, attention = n_r * (t_ref - t_reu) / 1e3, n_l * t_reu / 1e3
+    out = dict(draft_ms=r["draft_ms"], routing_ms=routing, attention_ms=attention,
+               rest_of_target_ms=r["verify_ms"] - routing - attention, accept_commit_ms=r["accept_commit_ms"],
+               round_ms=r["round_ms"], verify_ms=r["verify_ms"], attn_refresh_layer_us=t_ref,
+               attn_reuse_layer_us=t_reu, n_refresh=n_r, n_layers=n_l)
+    out["negative"] = [k for k in SPLIT_PARTS if out[k] < 0]
+    return out
+
