@@ -61,7 +61,7 @@ class _Spec:
     direct: bool  # q read and outputs written in the [.., Q, Hq, D] layout (needs C*G == Mp)
     kv_stacked: bool = False  # k, v are nsa.LayerKV views (read in place from the stack)
     c_stacked: bool = False  # kc, vc likewise
-    walk: str = "skip"  # mode A's merged walk: "skip" repeated entries (lax.cond), or "mask" them branch-free
+    walk: str = "mask"  # mode A's merged walk: "skip" repeated entries (lax.cond), or "mask" them branch-free
 
     @property
     def scale(self) -> float:
@@ -206,7 +206,7 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
                group_size: int, shared: bool = False, slc: bool = True, win: bool = False, kc=None, vc=None,
                gates=None, nsplit: int | None = None, interpret: bool = False, num_warps: int = 4,
                num_stages: int = 3, name: str = "grouped_verify", direct_io: bool | None = None,
-               cmp_chunk: int = 64, walk: str = "skip"):
+               cmp_chunk: int = 64, walk: str = "mask"):
     """Launches the grouped kernel for the chosen branches; `shared=True` is mode B (the group's first query's
     blocks for every query), else mode A.
 

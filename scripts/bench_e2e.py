@@ -30,6 +30,7 @@ from ssv_jax import model as M
 from ssv_jax import timing
 from ssv_jax.generate import ar_generate
 from ssv_jax.generate_cli import load_model, prompts
+from ssv_jax.planner import Planner
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.schedule import parse
 from ssv_jax.speculative import ssv_generate
@@ -69,7 +70,9 @@ def main(argv=None):
         "ar": lambda p: ar_generate((m.cfg, m.params), p, a.new_tokens),
         "naive": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=base.replace(backend="naive")),
         "ssv": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=fixed),
-        "ssv_planner": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy="auto"),
+        # the planner chooses within the fixed policy's precision class, so that both compete on the same terms
+        "ssv_planner": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy="auto",
+                                              planner=Planner.for_policy("auto", m.cfg, precision=fixed.precision)),
         "dense_sd": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=base.replace(backend="dense")),
     }
     unknown = sorted(set(a.methods) - set(runs))

@@ -34,17 +34,14 @@ from ssv_jax import sharding
 from ssv_jax.config import get_config
 from ssv_jax.policy import SSVPolicy, attention_for
 from ssv_jax.speculative import RoundState, SSVModel, _ssv_chunk, ssv_round
+from ssv_jax.timing import host_time
 
 
-def host_time(fn, *args, reps=10):
-    """Median host wall clock of a synchronised jitted call, after one warm-up call (ms)."""
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
+def round_state(tc, dc, hidden: int):
+    """A RoundState over random caches: a fixed root token and random target features."""
+    return RoundState(tc, dc, jnp.array([17], jnp.int32),
+                      jax.random.normal(jax.random.key(4), (1, hidden), jnp.bfloat16),
+                      jnp.full((1, 4096), -1, jnp.int32), jnp.ones((1,), jnp.int32), jnp.zeros((1,), bool))
 
 
 def random_draft_cache(dcfg, T, cap, key):
@@ -62,6 +59,7 @@ def main(argv=None):
     ap.add_argument("--periods", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--backends", nargs="+", default=["reference", "kernel"])
     ap.add_argument("--skip-schedule", action="store_true")
+    ap.add_argument("--skip-verify", action="store_true", help="only the schedule rows")
     ap.add_argument("--mesh-sizes", type=int, nargs="+", default=[1],
                     help="tensor-parallel degrees for the verify rounds (1: one device; n: a 'tp' mesh of n devices)")
     ap.add_argument("--rounds", type=int, default=8)
@@ -95,7 +93,8 @@ def main(argv=None):
     rows = []
     cap = kvc.cache_capacity(cfg, max(a.contexts) + 4096)  # one shape for every T: one compile per backend
     prm, prm_dev = None, None
-    for n_dev, T, backend in [(n, T, b) for n in a.mesh_sizes for T in a.contexts for b in a.backends]:
+    points = [] if a.skip_verify else [(n, T, b) for n in a.mesh_sizes for T in a.contexts for b in a.backends]
+    for n_dev, T, backend in points:
         mesh = meshes[n_dev]
         if prm_dev != n_dev:
             prm = None  # free the previous layout first
@@ -104,9 +103,7 @@ def main(argv=None):
         tc = kvc.random_cache(cfg, 1, cap, T, jax.random.key(2))
         dc = random_draft_cache(dcfg, T, cap, jax.random.key(3))
         pol = SSVPolicy(**tree64, backend=backend, group_size=4)
-        st = RoundState(tc, dc, jnp.array([17], jnp.int32),
-                        jax.random.normal(jax.random.key(4), (1, cfg.hidden), jnp.bfloat16),
-                        jnp.full((1, 4096), -1, jnp.int32), jnp.ones((1,), jnp.int32), jnp.zeros((1,), bool))
+        st = round_state(tc, dc, cfg.hidden)
         dprm = dparams
         if mesh is not None:  # tensor parallel: target params and cache over KV heads, the draft replicated
             st = sharding.replicate(st._replace(tcache=None), mesh)._replace(tcache=sharding.shard_cache(tc, mesh))
@@ -138,13 +135,14 @@ def main(argv=None):
                    verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    verify = dict(benchmark="ssv_verify_round", **meta, rows=rows,
-                  timing="draft and draft+verify: median host wall clock of 10 synchronised jitted calls after "
-                         "warm-up; round: a jitted while_loop of `rounds` rounds, per round, median of 3; "
-                         "verify = (draft+verify) - draft, accept_commit = round - (draft+verify)",
-                  weights="random bf16 target and draft head; random committed caches")
-    with open(a.out_verify, "w") as f:
-        json.dump(verify, f, indent=2)
+    if points:
+        verify = dict(benchmark="ssv_verify_round", **meta, rows=rows,
+                      timing="draft and draft+verify: median host wall clock of 10 synchronised jitted calls after "
+                             "warm-up; round: a jitted while_loop of `rounds` rounds, per round, median of 3; "
+                             "verify = (draft+verify) - draft, accept_commit = round - (draft+verify)",
+                      weights="random bf16 target and draft head; random committed caches")
+        with open(a.out_verify, "w") as f:
+            json.dump(verify, f, indent=2)
     if a.skip_schedule:
         return
     st = prm = dprm = None
@@ -167,15 +165,28 @@ def main(argv=None):
     # parallel threads (XLA compiles outside the GIL), then timed one after another
     fwds = {(N, P): jax.jit(lambda p, tr, c, P=P: M.forward_tree(p, cfg, tr, c, schedule=P, attn=attn)[0])
             for N in trees for P in a.periods}
+    # whole SSV rounds (draft + verify + accept/commit) under each schedule: a chunk of `rounds` rounds
+    dc = random_draft_cache(dcfg, T, cap, jax.random.key(3))
+    st = round_state(tc, dc, cfg.hidden)
+    eos = jnp.int32(-2)
+    pols = {(s["budget"], P): SSVPolicy(**s, backend="kernel", group_size=4, schedule=P,
+                                        precision="exact" if P == 1 else "strict")
+            for s in (tree16, tree64) for P in a.periods}
 
     def compile_one(key):
         t0 = time.perf_counter()
-        exe = fwds[key].lower(params, trees[key[0]], tc).compile()
+        if key[0] == "fwd":
+            exe = fwds[key[1:]].lower(params, trees[key[1]], tc).compile()
+        else:
+            exe = _ssv_chunk.lower(params, dparams, st, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg,
+                                   policy=pols[key[1:]], temperature=0.0, rounds=a.rounds, max_new=4000,
+                                   mesh=None).compile()
         return key, exe, time.perf_counter() - t0
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(a.compile_threads) as pool:
-        compiled = {k: (exe, s) for k, exe, s in pool.map(compile_one, fwds)}
+        compiled = {k: (exe, s) for k, exe, s in pool.map(compile_one, [(kind,) + k for kind in ("fwd", "round")
+                                                                          for k in fwds])}
     print(f"compiled {len(compiled)} verify forwards in {time.perf_counter() - t0:.1f} s "
           f"({a.compile_threads} threads)", flush=True)
     for spec in (tree16, tree64):
@@ -205,12 +216,22 @@ def main(argv=None):
         for P in a.periods:
             flags = sched.parse(P, cfg.n_layers)
             nR = sum(flags)
-            exe, compile_s = compiled[(N, P)]
+            exe, compile_s = compiled[("fwd", N, P)]
             t_fwd = host_time(exe, params, trees[N], tc, reps=5)
+            chunk = compiled[("round", N, P)][0]
+            ts = []
+            for _ in range(3):  # the chunk donates its state: a fresh copy per call
+                s2 = jax.tree.map(jnp.copy, st)
+                jax.block_until_ready(s2)
+                t0 = time.perf_counter()
+                s2, _, r = chunk(params, dparams, s2, jax.random.key(0), eos)
+                jax.block_until_ready(s2)
+                ts.append((time.perf_counter() - t0) * 1e3 / int(r))
+            t_round = statistics.median(ts)
             row = dict(tree=spec, P=P, schedule=sched.to_string(flags), n_refresh=nR, n_reuse=cfg.n_layers - nR,
                        attn_refresh_layer_us=t_ref * 1e3, attn_reuse_layer_us=t_reu * 1e3,
                        verify_attention_ms=(nR * t_ref + (cfg.n_layers - nR) * t_reu),
-                       verify_forward_ms=t_fwd, compile_s_parallel=compile_s)
+                       verify_forward_ms=t_fwd, round_ms=t_round, compile_s_parallel=compile_s)
             srows.append(row)
             print(json.dumps(row), flush=True)
     for spec in (tree16, tree64):
@@ -218,15 +239,17 @@ def main(argv=None):
         for r in srows:
             if r["tree"] == spec:
                 r["attention_speedup_vs_P1"] = base["verify_attention_ms"] / r["verify_attention_ms"]
-                if r["verify_forward_ms"] is not None:
-                    r["forward_speedup_vs_P1"] = base["verify_forward_ms"] / r["verify_forward_ms"]
-    out = dict(benchmark="refresh_reuse_schedule", **meta, context=T, backend="kernel (Pallas, mode A, C=4)",
+                r["forward_speedup_vs_P1"] = base["verify_forward_ms"] / r["verify_forward_ms"]
+                r["round_speedup_vs_P1"] = base["round_ms"] / r["round_ms"]
+    out = dict(benchmark="refresh_reuse_schedule", **meta, context=T,
+               backend="kernel (Pallas, mode A, C=4); library defaults for the walk and the reuse launches",
                rows=srows,
                timing="attention: per-layer kernel calls, 32 inside one jitted fori_loop over 4 rotated input "
                       "sets, median of 10 host-timed loops / 32, then summed over the schedule's layers; forward: "
-                      "median host wall clock of 5 synchronised forward_tree calls (unrolled segments), "
-                      "compiled ahead in parallel threads (compile_s_parallel: one compile's wall time while the "
-                      "others ran)")
+                      "median host wall clock of 5 synchronised forward_tree calls (unrolled segments); round: a "
+                      "jitted chunk of `rounds` whole SSV rounds (draft + verify + accept/commit, random draft head, "
+                      "greedy), per round, median of 3; both compiled ahead in parallel threads "
+                      "(compile_s_parallel: one compile's wall time while the others ran)")
     with open(a.out_schedule, "w") as f:
         json.dump(out, f, indent=2)
 

@@ -159,7 +159,8 @@ def schedule_ablation(verify: dict, decode: dict):
         if fw:
             a.plot(*zip(*fw), "s--", color=c, label=f"{name}: whole forward")
     a.set(xlabel="refresh period P (1 = refresh every layer)", ylabel="ms per verify",
-          title=f"verify at {verify.get('context', 0) // 1024}K, {verify.get('backend', '')}", ylim=(0, None))
+          title=f"verify at {verify.get('context', 0) // 1024}K, {verify.get('backend', '').split(';')[0]}",
+          ylim=(0, None))
     a.title.set_fontsize(9)
     layouts = defaultdict(list)
     for r in decode["rows"]:
@@ -288,20 +289,25 @@ def routing_share(kern: dict):
 
 
 def planner_gain(data: dict):
-    """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context."""
-    rows = data["rows"]
-    tps = {(r["context"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows}
-    ctx = sorted({r["context"] for r in rows})
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for i, c in enumerate(ctx):
-        g = [tps[(c, p, "ssv_planner")] / tps[(c, p, "ssv")] for (cc, p, m) in tps
-             if cc == c and m == "ssv" and (c, p, "ssv_planner") in tps]
-        ax.plot([i] * len(g), g, "o", alpha=0.7)
-        if g:
-            ax.hlines(np.median(g), i - 0.2, i + 0.2, color="k")
+    """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context; the main run and,
+    when present, `planner_same_class_run` (the planner choosing within the fixed policy's precision class)."""
+    runs = [("planner, class 'exact'" if "planner_same_class_run" in data else "planner", data["rows"], -0.12)]
+    if "planner_same_class_run" in data:
+        runs.append(("planner, the fixed policy's class", data["planner_same_class_run"]["rows"], 0.12))
+    ctx = sorted({r["context"] for _, rows, _ in runs for r in rows})
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for (label, rows, dx), color in zip(runs, ("C0", "C1")):
+        tps = {(r["context"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows}
+        for i, c in enumerate(ctx):
+            g = [tps[(c, p, "ssv_planner")] / tps[(c, p, "ssv")] for (cc, p, m) in tps
+                 if cc == c and m == "ssv" and (c, p, "ssv_planner") in tps]
+            ax.plot([i + dx] * len(g), g, "o", alpha=0.75, color=color, label=label if i == 0 else None)
+            if g:
+                ax.hlines(np.median(g), i + dx - 0.1, i + dx + 0.1, color="k")
     ax.axhline(1.0, color="grey", lw=1)
     ax.set_xticks(range(len(ctx)), [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ctx])
     ax.set(xlabel="context", ylabel="planner tokens/s / fixed policy's", title="planner gain per prompt (bar: median)")
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
