@@ -3,6 +3,8 @@ prints the GPU ops by total time (from a perfetto trace), plus step times with s
 with the attention swapped out.
 
     python scripts/profile_decode.py --layers 4 --context 8192 --outdir $OUT
+    python scripts/profile_decode.py --layers 32 --context 8192 --capacity 8448 --variants kernel_fused \
+        --trace kernel_fused --outdir $OUT --json $OUT/decode_profile.json   # the 5.72 ms configuration
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--capacity", type=int, default=65536 + 2048,
+                    help="cache capacity in tokens (bench_schedule_decode sizes it to the context: "
+                         "context + 4 * steps + 64)")
     ap.add_argument("--outdir", default="/tmp/prof")
     ap.add_argument("--trace", default="nsa_fused", help="which variant to trace, list the GPU ops of and dump the HLO of")
     ap.add_argument("--variants", nargs="+", default=None, help="run only these variants (default: all)")
@@ -44,7 +49,7 @@ def main():
     a = ap.parse_args()
     cfg = get_config("llama31-8b-nsa").replace(n_layers=a.layers, feature_layers=(0, a.layers // 2, a.layers - 1))
     params = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
-    cap = kvc.cache_capacity(cfg, 65536 + 2048)
+    cap = kvc.cache_capacity(cfg, a.capacity)
     mk = lambda: kvc.random_cache(cfg, 1, cap, a.context, jax.random.key(1))  # noqa: E731
     tok = jnp.array([5], jnp.int32)
     res = {}
