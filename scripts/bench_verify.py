@@ -77,13 +77,12 @@ def main(argv=None):
     meshes = {n: None if n == 1 else sharding.make_mesh(n) for n in a.mesh_sizes}
 
     def layout(n_dev):
-        """The decode weight layout ssv_generate runs rounds in: per-layer buffers, projections fused on one
-        device, split over KV heads on a mesh. Built per mesh size (from the same key) so that only one copy of
+        """The decode weight layout ssv_generate runs rounds in: per-layer buffers, projections fused (per shard
+        on a mesh, split over KV heads). Built per mesh size (from the same key) so that only one copy of
         the 8B weights is resident at a time: at 128K, two layouts plus the caches do not fit one H200."""
         mesh = meshes[n_dev]
         stacked = init(jax.random.key(0))
-        return M.split_layers(stacked if mesh is None else sharding.shard_params(stacked, cfg, mesh),
-                              fuse=mesh is None)
+        return sharding.split_layers(stacked if mesh is None else sharding.shard_params(stacked, cfg, mesh), mesh)
 
     tree64 = dict(top_k=8, depth=6, budget=64)
     tree16 = dict(top_k=4, depth=4, budget=16)

@@ -10,7 +10,7 @@ compiles, at the llama31-8b-nsa shape (all 32 layers, and 4 to check the per-lay
 contexts (default 8K and 128K: bench_verify's cache capacities); plus the one-device verify program, the whole
 round (`phase="all"`) on the mesh, and the other attention backend's collectives at 2 and 4 layers. Inputs are
 `jax.ShapeDtypeStruct`s carrying the shardings of `ssv_jax.sharding` in bench_verify's `layout(n_dev)` (per-layer
-buffers; projections fused on one device only), so no weights or caches are allocated.
+buffers; projections fused, per shard on the mesh), so no weights or caches are allocated.
 
 The backend is the kernel path, as in the 2-GPU run: on CPU its Pallas kernels compile in interpret mode, per shard
 under `shard_map`, so they hold no collectives, but their loops (and the copies of their inputs into loop state)
@@ -69,30 +69,46 @@ MIB = 1 << 20
 
 # -- abstract inputs ---------------------------------------------------------------------------------------------
 def abstract_params(cfg, mesh):
-    """bench_verify's `layout(n_dev)` as ShapeDtypeStructs: per-layer buffers, projections fused on one device;
-    on a mesh each per-layer weight keeps its stacked spec without the layer axis (`check_layout_rule`)."""
+    """bench_verify's `layout(n_dev)` (`sharding.split_layers`) as ShapeDtypeStructs: per-layer buffers with the
+    projections fused; on a mesh the fused matrices are [in, n, out / n] split on their shard axis, and every other
+    per-layer weight keeps its stacked spec without the layer axis (`check_layout_rule`)."""
     stacked = jax.eval_shape(lambda k: M.init_params(cfg, k, jnp.bfloat16), jax.random.key(0))
     if mesh is None:
         return jax.eval_shape(lambda p: M.split_layers(p, fuse=True), stacked)
     specs = sharding.param_specs(stacked)
+    n = mesh.shape[sharding.AXIS]
 
     def put(x, spec):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
+    def layer():
+        lp = {k: put(jax.ShapeDtypeStruct(a.shape[1:], a.dtype), P(*specs["layers"][k][1:]))
+              for k, a in stacked["layers"].items()}
+        for fused, names in M.FUSED_PROJECTIONS.items():
+            parts = [lp.pop(k) for k in names]
+            width = sum(a.shape[-1] for a in parts)
+            lp[fused] = put(jax.ShapeDtypeStruct((parts[0].shape[0], n, width // n), parts[0].dtype),
+                            P(None, sharding.AXIS, None))
+        return lp
+
     out = {k: put(v, specs[k]) for k, v in stacked.items() if k != "layers"}
-    out["layers"] = [{k: put(jax.ShapeDtypeStruct(a.shape[1:], a.dtype), P(*specs["layers"][k][1:]))
-                      for k, a in stacked["layers"].items()} for _ in range(cfg.n_layers)]
+    out["layers"] = [layer() for _ in range(cfg.n_layers)]
     return out
 
 
 def check_layout_rule(mesh) -> bool:
-    """On real (tiny) arrays: `split_layers(shard_params(...), fuse=False)`, what bench_verify runs on a mesh,
-    gives each layer's weight its stacked PartitionSpec minus the layer axis, as `abstract_params` assumes."""
+    """On real (tiny) arrays: `sharding.split_layers(shard_params(...), mesh)`, what bench_verify runs on a mesh,
+    gives the fused matrices P(None, "tp", None) and every other layer weight its stacked PartitionSpec minus the
+    layer axis, as `abstract_params` assumes."""
     cfg = get_config("tiny")
     p = sharding.shard_params(M.init_params(cfg, jax.random.key(0), jnp.bfloat16), cfg, mesh)
     specs = sharding.param_specs(p)["layers"]
-    lp = M.split_layers(p, fuse=False)["layers"][1]
-    return all(a.sharding.is_equivalent_to(NamedSharding(mesh, P(*specs[k][1:])), a.ndim) for k, a in lp.items())
+    lp = sharding.split_layers(p, mesh)["layers"][1]
+
+    def spec(k):
+        return P(None, sharding.AXIS, None) if k in M.FUSED_PROJECTIONS else P(*specs[k][1:])
+
+    return all(a.sharding.is_equivalent_to(NamedSharding(mesh, spec(k)), a.ndim) for k, a in lp.items())
 
 
 def abstract_state(cfg, dcfg, cap, T, mesh):
@@ -527,8 +543,8 @@ def main(argv=None):
         config=dict(layers=L, also_compiled_layers=L1, tree=TREE64, group_size=4, schedule="refresh every layer",
                     contexts=a.contexts, cache_capacity={T: kvc.cache_capacity(base, T + 4096) for T in a.contexts},
                     mesh={"tp": n_dev},
-                    layout="bench_verify's layout(n_dev): per-layer weight buffers; projections fused on 1 device, "
-                           "unfused on the mesh",
+                    layout="bench_verify's layout(n_dev): per-layer weight buffers; projections fused, per shard "
+                           "([in, n, out / n]) on the mesh",
                     layout_rule_checked_on_real_tiny_arrays=check_layout_rule(mesh),
                     functions="jax.jit(ssv_round(..., phase='draft' | 'verify' | 'all', mesh)) as bench_verify "
                               "jits them; verify stage = (draft+verify) - draft"),

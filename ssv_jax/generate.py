@@ -18,6 +18,7 @@ import numpy as np
 from ssv_jax import cache as kvc
 from ssv_jax import model as M
 from ssv_jax import nsa
+from ssv_jax import sharding
 from ssv_jax.config import ModelConfig
 
 
@@ -131,8 +132,6 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     decode_attn = attn if attn is not None else default_decode_attention()
     attn = attn if attn is not None else nsa.nsa_attention
     if mesh is not None:
-        from ssv_jax import sharding
-
         params, cache = sharding.place(params, cfg, cache, mesh)
         attn, decode_attn = sharding.attention_on(attn, mesh), sharding.attention_on(decode_attn, mesh)
     key_first, key = jax.random.split(jax.random.key(seed))
@@ -141,7 +140,7 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
                                  progress=progress)
     tok = sample(logits, temperature, key_first)
     if split_weights:
-        params = M.split_layers(params, fuse=mesh is None)  # fusing would mix TP shards
+        params = sharding.split_layers(params, mesh)  # projections fused per shard on a mesh
     jax.block_until_ready((tok, params))
     t1 = time.perf_counter()
     eos = jnp.int32(-2 if eos_id is None else eos_id)

@@ -115,12 +115,16 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
 FUSED_PROJECTIONS = {"w_qkvg": ("wq", "wk", "wv", "wg"), "w_gu": ("w_gate", "w_up")}
 
 
-def split_layers(params: dict, fuse: bool = True) -> dict:
+def split_layers(params: dict, fuse: bool = True, shards: int = 1) -> dict:
     """The decode layout: `layers` as a list of per-layer dicts (one buffer per weight per layer), so that a
     weight-bound loop slices nothing out of a stacked array (a copy per weight per step inside a while_loop,
     docs/DESIGN_NOTES.md, "Decode weight layout"). With `fuse`, each layer's q/k/v/gate projections become one
-    matrix `w_qkvg` and the MLP's gate/up one `w_gu` (FUSED_PROJECTIONS): fewer, wider GEMVs. `forward`,
-    `forward_tree` and `commit_tree` accept every layout; `stack_layers` undoes it."""
+    matrix `w_qkvg` and the MLP's gate/up one `w_gu` (FUSED_PROJECTIONS): fewer, wider GEMVs.
+
+    `shards` > 1 lays a fused matrix out as [in, shards, out / shards], each shard's slice holding its own
+    columns of every part (q, k, v, gates), so that splitting it over a tensor-parallel axis on dim 1 keeps each
+    device's heads together (`sharding.split_layers`). `forward`, `forward_tree` and `commit_tree` accept every
+    layout; `stack_layers` undoes it."""
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params
@@ -130,15 +134,35 @@ def split_layers(params: dict, fuse: bool = True) -> dict:
         lp = {k: a[i] for k, a in layers.items()}
         if fuse:
             for fused, names in FUSED_PROJECTIONS.items():
-                lp[fused] = jnp.concatenate([lp.pop(k) for k in names], -1)
+                lp[fused] = _fuse([lp.pop(k) for k in names], shards)
         out.append(lp)
     return {**params, "layers": out}
 
 
-def _qkvg_cuts(cfg: ModelConfig) -> np.ndarray:
-    """Where the fused `w_qkvg` columns (and its product) split into q, k, v and the gates."""
+def _fuse(ws: list, shards: int) -> jax.Array:
+    """Column-concatenation of [in, out_i] matrices; per shard ([in, shards, sum / shards]) when shards > 1."""
+    if shards == 1:
+        return jnp.concatenate(ws, -1)
+    bad = [w.shape[-1] for w in ws if w.shape[-1] % shards]
+    if bad:
+        raise ValueError(f"shards={shards} must divide every fused projection's width; got widths {bad}")
+    return jnp.concatenate([w.reshape(w.shape[0], shards, -1) for w in ws], -1)
+
+
+def _split_fused(h, w, widths) -> list:
+    """h @ w for a fused matrix w (2-D, or per shard [in, S, out / S]), split into parts of the given widths."""
+    if w.ndim == 2:
+        return jnp.split(_mm(h, w), np.cumsum(widths)[:-1], -1)
+    S = w.shape[1]
+    y = jnp.einsum("...i,isc->...sc", h, w.astype(h.dtype), preferred_element_type=jnp.float32).astype(h.dtype)
+    parts = jnp.split(y, np.cumsum([c // S for c in widths])[:-1], -1)
+    return [p.reshape(p.shape[:-2] + (-1,)) for p in parts]
+
+
+def _qkvg_widths(cfg: ModelConfig) -> list:
+    """The widths of q, k, v and the gates in the fused `w_qkvg` (and its product)."""
     qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return np.cumsum([qd, kd, kd])
+    return [qd, kd, kd, cfg.n_heads * 3]
 
 
 def _unfuse(lp: dict, cfg: ModelConfig) -> dict:
@@ -146,8 +170,15 @@ def _unfuse(lp: dict, cfg: ModelConfig) -> dict:
     if "w_qkvg" not in lp:
         return lp
     lp = dict(lp)
-    lp["wq"], lp["wk"], lp["wv"], lp["wg"] = jnp.split(lp.pop("w_qkvg"), _qkvg_cuts(cfg), -1)
-    lp["w_gate"], lp["w_up"] = jnp.split(lp.pop("w_gu"), 2, -1)
+
+    def parts(w, widths):
+        if w.ndim == 2:
+            return jnp.split(w, np.cumsum(widths)[:-1], -1)
+        S = w.shape[1]
+        return [p.reshape(w.shape[0], -1) for p in jnp.split(w, np.cumsum([c // S for c in widths])[:-1], -1)]
+
+    lp["wq"], lp["wk"], lp["wv"], lp["wg"] = parts(lp.pop("w_qkvg"), _qkvg_widths(cfg))
+    lp["w_gate"], lp["w_up"] = parts(lp.pop("w_gu"), [cfg.ffn, cfg.ffn])
     return lp
 
 
@@ -198,7 +229,7 @@ def _qkv(lp, ctx: Ctx, x):
     B, Q, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
     if "w_qkvg" in lp:  # fused decode layout (split_layers)
-        q, k, v, g = jnp.split(_mm(h, lp["w_qkvg"]), _qkvg_cuts(cfg), -1)
+        q, k, v, g = _split_fused(h, lp["w_qkvg"], _qkvg_widths(cfg))
     else:
         q, k, v, g = (_mm(h, lp[n]) for n in ("wq", "wk", "wv", "wg"))
     q = q.reshape(B, Q, cfg.n_heads, cfg.head_dim)
@@ -214,7 +245,7 @@ def _finish(lp, ctx: Ctx, x, o):
     x = x + _mm(o.reshape(B, Q, -1).astype(x.dtype), lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
     if "w_gu" in lp:  # fused decode layout (split_layers)
-        gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, -1)
+        gate, up = _split_fused(h, lp["w_gu"], [cfg.ffn, cfg.ffn])
     else:
         gate, up = _mm(h, lp["w_gate"]), _mm(h, lp["w_up"])
     return x + _mm(jax.nn.silu(gate) * up, lp["w_down"])

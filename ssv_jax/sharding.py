@@ -119,6 +119,21 @@ def attention_on(attn, mesh: Mesh | None):
     return shard_attention(attn, mesh)
 
 
+def split_layers(params: dict, mesh: Mesh | None) -> dict:
+    """The decode weight layout (`model.split_layers`) for a mesh: per-layer buffers with the projections fused
+    per shard ([in, n, out / n], split over "tp" on dim 1), so each device runs one q/k/v/gate and one gate/up
+    GEMM over its own heads and FFN columns. Without a mesh, the single-device fused layout."""
+    from ssv_jax import model as M
+
+    if mesh is None or mesh.size == 1:
+        return M.split_layers(params)
+    out = M.split_layers(params, shards=mesh.shape[AXIS])
+    fused = NamedSharding(mesh, P(None, AXIS, None))
+    layers = [{k: jax.device_put(a, fused) if k in M.FUSED_PROJECTIONS else a for k, a in lp.items()}
+              for lp in out["layers"]]
+    return {**out, "layers": layers}
+
+
 def place(params: dict, cfg: ModelConfig, cache: kvc.KVCache, mesh: Mesh | None):
     """(params, cache) on the mesh, or unchanged without one."""
     if mesh is None:

@@ -22,6 +22,7 @@ from ssv_jax import acceptance as acc
 from ssv_jax import cache as kvc
 from ssv_jax import draft as dr
 from ssv_jax import model as M
+from ssv_jax import sharding
 from ssv_jax import tree as tr
 from ssv_jax.config import ModelConfig
 from ssv_jax.generate import GenerateResult, _check_sampling, prepare_prompt, sample
@@ -84,8 +85,7 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
         return tree
     attn = attention_for(policy.backend, policy.mode, policy.group_size, _on_cpu())
     if mesh is not None:
-        from ssv_jax.sharding import attention_on
-        attn = attention_on(attn, mesh)
+        attn = sharding.attention_on(attn, mesh)
     logits, feats, nk, nv = M.forward_tree(m.params, cfg, M.TreeInputs(tree.tokens, tree.depth, tree.mask),
                                            st.tcache, schedule=policy.schedule, attn=attn)
     if phase == "verify":
@@ -227,8 +227,6 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     prompt, tcache, dcache = new_caches(m, prompt_ids, max_new_tokens, max_depth, prefill_chunk, cache_dtype)
     B = prompt.shape[0]
     if mesh is not None:
-        from ssv_jax import sharding
-
         params, tcache = sharding.place(m.params, cfg, tcache, mesh)
         m = SSVModel(cfg, params, m.draft_cfg, sharding.replicate(m.draft_params, mesh))
         dcache = sharding.replicate(dcache, mesh)
@@ -239,7 +237,7 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     st = first_state(m, prompt, tcache, dcache, eos, max_new_tokens, max_depth, temperature=float(temperature),
                      key=key_first, prefill_chunk=prefill_chunk, schedule=pol.schedule, progress=progress)
     if split_weights:
-        m = m._replace(params=M.split_layers(m.params, fuse=mesh is None))  # fusing would mix TP shards
+        m = m._replace(params=sharding.split_layers(m.params, mesh))  # projections fused per shard on a mesh
     jax.block_until_ready((st.root_hidden, m.params))
     t1 = time.perf_counter()
     per_round, trace, r_total = [], [], 0

@@ -172,11 +172,14 @@ def test_empty_prompt_and_out_of_vocab_ids_are_rejected():
         M.prefill(PARAMS, CFG, np.array([[1, -1]]), cache)
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_decode_weight_layout_gives_the_same_model(fuse):
+@pytest.mark.parametrize("fuse,shards", [(False, 1), (True, 1), (True, 2)])
+def test_decode_weight_layout_gives_the_same_model(fuse, shards):
     """`split_layers` (one buffer per layer, a Python layer loop; with `fuse`, q/k/v/gate and gate/up as single
-    matrices) computes what the stacked scans do, in commit mode, verify mode and commit_tree."""
-    split = M.split_layers(PARAMS, fuse=fuse)
+    matrices, laid out per tensor-parallel shard when shards > 1) computes what the stacked scans do, in commit
+    mode, verify mode and commit_tree."""
+    split = M.split_layers(PARAMS, fuse=fuse, shards=shards)
+    if fuse:
+        assert split["layers"][0]["w_qkvg"].ndim == (2 if shards == 1 else 3)
     assert isinstance(split["layers"], list) and len(split["layers"]) == CFG.n_layers
     assert ("w_qkvg" in split["layers"][0]) == fuse and ("wq" in split["layers"][0]) != fuse
     toks = jax.random.randint(jax.random.key(8), (1, 64), 0, CFG.vocab_size)

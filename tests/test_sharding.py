@@ -32,6 +32,12 @@ def test_sharded_forward_equals_single_device(two_device_run):
     assert two_device_run["forward_rel"] <= 1e-5
 
 
+def test_decode_layout_fuses_projections_per_shard_and_computes_the_same_model(two_device_run):
+    """On a mesh the fused q/k/v/gate matrix is [in, n, out / n], split over "tp" on its shard axis."""
+    assert two_device_run["fused_sharded"].replace(" ", "") == "P(None,'tp',None)"
+    assert two_device_run["fused_forward_rel"] <= 1e-5
+
+
 def test_sharded_greedy_tokens_are_identical(two_device_run):
     assert two_device_run["ar_equal"]
     assert two_device_run["ssv_reference_equals_ar"]

@@ -31,6 +31,10 @@ out = dict(
     forward_rel=float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref))),
     wq_sharded=str(sp["layers"]["wq"].sharding.spec), cache_sharded=str(cache.k.sharding.spec),
 )
+lay = sharding.split_layers(sp, mesh)  # the decode layout on the mesh: projections fused per shard
+got_l, _, _ = M.forward(lay, cfg, toks, sharding.shard_cache(kvc.init_cache(cfg, 1, 128), mesh))
+out["fused_forward_rel"] = float(jnp.max(jnp.abs(got_l - ref)) / jnp.max(jnp.abs(ref)))
+out["fused_sharded"] = str(lay["layers"][0]["w_qkvg"].sharding.spec)
 ar1 = ar_generate((cfg, params), prompt, 40, prefill_chunk=64).tokens
 ar2 = ar_generate((cfg, params), prompt, 40, prefill_chunk=64, mesh=mesh).tokens
 out["ar_equal"] = bool(np.array_equal(ar1, ar2))
