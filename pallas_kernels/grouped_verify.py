@@ -68,21 +68,22 @@ class _Spec:
         return self.d ** -0.5
 
 
+def _reduce_all(x, op):
+    """`op` over every axis, one at a time (the Triton lowering's reductions take one axis)."""
+    while x.ndim:
+        x = op(x, axis=-1)
+    return x
+
+
 def _any(x, axis=None):
-    """Boolean any as an int max (axis=None: one axis at a time, which the Triton lowering takes)."""
+    """Boolean any as an int max (axis=None: over every axis)."""
     y = jnp.where(x, 1, 0)
-    if axis is None:
-        while y.ndim:
-            y = jnp.max(y, axis=-1)
-        return y > 0
-    return jnp.max(y, axis=axis) > 0
+    return (_reduce_all(y, jnp.max) if axis is None else jnp.max(y, axis=axis)) > 0
 
 
 def _sum_all(x):
-    """Sum of every element, one axis at a time (the Triton lowering's reductions)."""
-    while x.ndim:
-        x = jnp.sum(x, axis=-1)
-    return x
+    """Sum of every element."""
+    return _reduce_all(x, jnp.sum)
 
 
 def _kernel(*refs, sp: _Spec):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import statistics
 import time
 
 import jax
@@ -34,7 +33,7 @@ from ssv_jax import sharding
 from ssv_jax.config import get_config
 from ssv_jax.policy import SSVPolicy, attention_for
 from ssv_jax.speculative import RoundState, SSVModel, _ssv_chunk, ssv_round
-from ssv_jax.timing import host_time
+from ssv_jax.timing import chunk_ms_per_round, host_time
 
 
 def round_state(tc, dc, hidden: int):
@@ -116,20 +115,11 @@ def main(argv=None):
                                                       jax.random.key(0), eos, 4000, phase="verify", mesh=mesh))
         t_draft = host_time(f_draft, prm, dprm, st)
         t_dv = host_time(f_verify, prm, dprm, st)
-        # whole rounds: a chunk of `rounds` rounds in one while_loop, per round
-        run = lambda s: _ssv_chunk(prm, dprm, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg, policy=pol,
-                                   temperature=0.0, rounds=a.rounds, max_new=4000, mesh=mesh)
-        ts = []
-        for rep in range(4):  # the first call compiles; one state copy alive at a time (128K caches are large)
-            s2 = jax.tree.map(jnp.copy, st)
-            jax.block_until_ready(s2)
-            t = time.perf_counter()
-            s2, hist, r = run(s2)
-            jax.block_until_ready(s2)
-            if rep:
-                ts.append((time.perf_counter() - t) * 1e3 / int(r))
-            del s2, hist
-        t_round = statistics.median(ts)
+        # whole rounds: a chunk of `rounds` rounds in one while_loop, per round (one state copy alive at a time:
+        # 128K caches are large)
+        t_round = chunk_ms_per_round(
+            lambda s: _ssv_chunk(prm, dprm, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg, policy=pol,
+                                 temperature=0.0, rounds=a.rounds, max_new=4000, mesh=mesh), st, reps=3)
         row = dict(context=T, backend=backend, devices=n_dev, tree=tree64, round_ms=t_round, draft_ms=t_draft,
                    verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv)
         rows.append(row)
@@ -186,7 +176,7 @@ def main(argv=None):
     with concurrent.futures.ThreadPoolExecutor(a.compile_threads) as pool:
         compiled = {k: (exe, s) for k, exe, s in pool.map(compile_one, [(kind,) + k for kind in ("fwd", "round")
                                                                           for k in fwds])}
-    print(f"compiled {len(compiled)} verify forwards in {time.perf_counter() - t0:.1f} s "
+    print(f"compiled {len(compiled)} verify forwards and round chunks in {time.perf_counter() - t0:.1f} s "
           f"({a.compile_threads} threads)", flush=True)
     for spec in (tree16, tree64):
         N = spec["budget"]
@@ -218,15 +208,8 @@ def main(argv=None):
             exe, compile_s = compiled[("fwd", N, P)]
             t_fwd = host_time(exe, params, trees[N], tc, reps=5)
             chunk = compiled[("round", N, P)][0]
-            ts = []
-            for _ in range(3):  # the chunk donates its state: a fresh copy per call
-                s2 = jax.tree.map(jnp.copy, st)
-                jax.block_until_ready(s2)
-                t0 = time.perf_counter()
-                s2, _, r = chunk(params, dparams, s2, jax.random.key(0), eos)
-                jax.block_until_ready(s2)
-                ts.append((time.perf_counter() - t0) * 1e3 / int(r))
-            t_round = statistics.median(ts)
+            t_round = chunk_ms_per_round(lambda s: chunk(params, dparams, s, jax.random.key(0), eos), st, reps=3,
+                                         warmup=False)
             row = dict(tree=spec, P=P, schedule=sched.to_string(flags), n_refresh=nR, n_reuse=cfg.n_layers - nR,
                        attn_refresh_layer_us=t_ref * 1e3, attn_reuse_layer_us=t_reu * 1e3,
                        verify_attention_ms=(nR * t_ref + (cfg.n_layers - nR) * t_reu),

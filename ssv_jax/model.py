@@ -149,14 +149,24 @@ def _fuse(ws: list, shards: int) -> jax.Array:
     return jnp.concatenate([w.reshape(w.shape[0], shards, -1) for w in ws], -1)
 
 
-def _split_fused(h, w, widths) -> list:
-    """h @ w for a fused matrix w (2-D, or per shard [in, S, out / S]), split into parts of the given widths."""
-    if w.ndim == 2:
-        return jnp.split(_mm(h, w), np.cumsum(widths)[:-1], -1)
-    S = w.shape[1]
-    y = jnp.einsum("...i,isc->...sc", h, w.astype(h.dtype), preferred_element_type=jnp.float32).astype(h.dtype)
-    parts = jnp.split(y, np.cumsum([c // S for c in widths])[:-1], -1)
+def _shards(w) -> int:
+    """The shard count of a fused matrix: 1 for [in, out], S for the per-shard layout [in, S, out / S]."""
+    return w.shape[1] if w.ndim == 3 else 1
+
+
+def _split_columns(x, widths, shards: int) -> list:
+    """Parts of the given widths of a fused matrix or of its product, along the columns: the last axis, or with
+    shards > 1 the last two ([shards, sum / shards]), each part then merged back to [..., width]."""
+    if shards == 1:
+        return jnp.split(x, np.cumsum(widths)[:-1], -1)
+    parts = jnp.split(x, np.cumsum([c // shards for c in widths])[:-1], -1)
     return [p.reshape(p.shape[:-2] + (-1,)) for p in parts]
+
+
+def _split_fused(h, w, widths) -> list:
+    """h @ w for a fused matrix w (either layout), split into the parts' products."""
+    y = _mm(h, w.reshape(w.shape[0], -1))
+    return _split_columns(y.reshape(y.shape[:-1] + w.shape[1:]), widths, _shards(w))
 
 
 def _qkvg_widths(cfg: ModelConfig) -> list:
@@ -170,15 +180,9 @@ def _unfuse(lp: dict, cfg: ModelConfig) -> dict:
     if "w_qkvg" not in lp:
         return lp
     lp = dict(lp)
-
-    def parts(w, widths):
-        if w.ndim == 2:
-            return jnp.split(w, np.cumsum(widths)[:-1], -1)
-        S = w.shape[1]
-        return [p.reshape(w.shape[0], -1) for p in jnp.split(w, np.cumsum([c // S for c in widths])[:-1], -1)]
-
-    lp["wq"], lp["wk"], lp["wv"], lp["wg"] = parts(lp.pop("w_qkvg"), _qkvg_widths(cfg))
-    lp["w_gate"], lp["w_up"] = parts(lp.pop("w_gu"), [cfg.ffn, cfg.ffn])
+    w_qkvg, w_gu = lp.pop("w_qkvg"), lp.pop("w_gu")
+    lp["wq"], lp["wk"], lp["wv"], lp["wg"] = _split_columns(w_qkvg, _qkvg_widths(cfg), _shards(w_qkvg))
+    lp["w_gate"], lp["w_up"] = _split_columns(w_gu, [cfg.ffn, cfg.ffn], _shards(w_gu))
     return lp
 
 

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ssv_jax import cache as kvc
+from ssv_jax import model as M
 from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
@@ -123,8 +124,6 @@ def split_layers(params: dict, mesh: Mesh | None) -> dict:
     """The decode weight layout (`model.split_layers`) for a mesh: per-layer buffers with the projections fused
     per shard ([in, n, out / n], split over "tp" on dim 1), so each device runs one q/k/v/gate and one gate/up
     GEMM over its own heads and FFN columns. Without a mesh, the single-device fused layout."""
-    from ssv_jax import model as M
-
     if mesh is None or mesh.size == 1:
         return M.split_layers(params)
     out = M.split_layers(params, shards=mesh.shape[AXIS])

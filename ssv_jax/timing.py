@@ -72,6 +72,25 @@ def _stage(cfg, dcfg, policy: SSVPolicy, phase: str):
                                                    eos, 1 << 30, phase=phase))
 
 
+def chunk_ms_per_round(run, state: RoundState, reps: int, warmup: bool = True) -> float:
+    """Median ms per round of `run(state) -> (state, history, rounds)`, a chunk of rounds that donates its state:
+    each call gets a fresh copy (only one alive at a time, `state` stays intact). With `warmup` a first, untimed
+    call compiles."""
+    ts = []
+    for rep in range(reps + int(warmup)):
+        s = jax.tree.map(jnp.copy, state)
+        jax.block_until_ready(s)
+        t = time.perf_counter()
+        s, hist, r = run(s)
+        jax.block_until_ready(s)
+        if int(r) == 0:
+            raise ValueError("the state is already done (every row finished); accepted: a state with a live row")
+        if rep or not warmup:
+            ts.append((time.perf_counter() - t) * 1e3 / int(r))
+        del s, hist
+    return statistics.median(ts)
+
+
 def round_split(model: SSVModel, policy: SSVPolicy, state: RoundState, eos, *, rounds: int = 8, reps: int = 5):
     """Draft / verify / accept+commit of one greedy round from `state` (ms), by differences.
 
@@ -88,20 +107,9 @@ def round_split(model: SSVModel, policy: SSVPolicy, state: RoundState, eos, *, r
     args = (model.params, model.draft_params, state, eos)
     t_draft = host_time(_stage(cfg, dcfg, policy, "draft"), *args, reps=reps)
     t_dv = host_time(_stage(cfg, dcfg, policy, "verify"), *args, reps=reps)
-    ts = []
-    for rep in range(reps + 1):  # the first run compiles
-        s = jax.tree.map(jnp.copy, state)
-        jax.block_until_ready(s)
-        t = time.perf_counter()
-        s, hist, r = _ssv_chunk(model.params, model.draft_params, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg,
-                                policy=policy, temperature=0.0, rounds=rounds, max_new=1 << 30)
-        jax.block_until_ready(s)
-        if int(r) == 0:
-            raise ValueError("the state is already done (every row finished); accepted: a state with a live row")
-        if rep:
-            ts.append((time.perf_counter() - t) * 1e3 / int(r))
-        del s, hist
-    t_round = statistics.median(ts)
+    t_round = chunk_ms_per_round(
+        lambda s: _ssv_chunk(model.params, model.draft_params, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg,
+                             policy=policy, temperature=0.0, rounds=rounds, max_new=1 << 30), state, reps)
     return dict(draft_ms=t_draft, verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv, round_ms=t_round)
 
 
