@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import time
 
 import jax
@@ -33,7 +34,7 @@ from ssv_jax import sharding
 from ssv_jax.config import get_config
 from ssv_jax.policy import SSVPolicy, attention_for
 from ssv_jax.speculative import RoundState, SSVModel, _ssv_chunk, ssv_round
-from ssv_jax.timing import chunk_ms_per_round, host_time
+from ssv_jax.timing import chunk_ms_per_round, host_time, op_summary, traced_gpu_ops
 
 
 def round_state(tc, dc, hidden: int):
@@ -63,6 +64,9 @@ def main(argv=None):
                     help="tensor-parallel degrees for the verify rounds (1: one device; n: a 'tp' mesh of n devices)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--compile-threads", type=int, default=12, help="verify forwards compiled at once")
+    ap.add_argument("--trace-dir", default=None,
+                    help="also trace 3 draft and 3 draft+verify calls per verify row and record each GPU's busy "
+                         "time by op class (collectives, matmuls, NSA kernels, other) in the row")
     ap.add_argument("--out-verify", default="docs/results/verify_8b_h200.json")
     ap.add_argument("--out-schedule", default="docs/results/schedule_8b_h200.json")
     a = ap.parse_args(argv)
@@ -122,6 +126,11 @@ def main(argv=None):
                                  temperature=0.0, rounds=a.rounds, max_new=4000, mesh=mesh), st, reps=3)
         row = dict(context=T, backend=backend, devices=n_dev, tree=tree64, round_ms=t_round, draft_ms=t_draft,
                    verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv)
+        if a.trace_dir:
+            for part, fn in (("draft", f_draft), ("draft_verify", f_verify)):
+                ops = traced_gpu_ops(lambda fn=fn: [fn(prm, dprm, st) for _ in range(3)],
+                                     os.path.join(a.trace_dir, f"{n_dev}dev_{T}_{backend}_{part}"))
+                row[f"traced_{part}_us_per_call"] = op_summary(ops, 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if points:

@@ -10,8 +10,6 @@ with the attention swapped out.
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import time
@@ -26,6 +24,7 @@ from ssv_jax import nsa
 from ssv_jax.config import get_config
 from ssv_jax.generate import _ar_chunk
 from ssv_jax.policy import attention_for
+from ssv_jax.timing import op_summary, traced_gpu_ops
 
 
 def no_attention(q, q_pos, gates, k, v, kc, vc, kv_len, cfg, extra=None, sel=None):
@@ -76,28 +75,21 @@ def main():
                 f.write(_ar_chunk.lower(prm, cfg, mk(), tok, jax.random.key(0), jnp.zeros((1,), bool),
                                         jnp.int32(-2), steps=a.steps, temperature=0.0, schedule=None,
                                         attn=attn).compile().as_text())
-            d = os.path.join(a.outdir, "trace")
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                cache, *_ = run(cache)
-                jax.block_until_ready(cache)
-            files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
-            ev = json.load(gzip.open(files[0]))
-            evs = ev["traceEvents"] if isinstance(ev, dict) else ev
-            gpu = {e["pid"] for e in evs if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and "GPU" in str(e.get("args", {}).get("name", ""))}
+            ops = traced_gpu_ops(lambda: run(cache)[0], os.path.join(a.outdir, "trace"))
             tot, cnt = defaultdict(float), defaultdict(int)
-            for e in evs:
-                if e.get("ph") == "X" and "dur" in e and (not gpu or e.get("pid") in gpu):
-                    tot[e["name"]] += e["dur"]
-                    cnt[e["name"]] += 1
+            for rows in ops.values():
+                for n, (us, c) in rows.items():
+                    tot[n] += us
+                    cnt[n] += c
             rows = sorted(tot.items(), key=lambda x: -x[1])[:60]
             for n, t in rows:
                 print(f"{t / a.steps:10.1f} us/step  x{cnt[n] / a.steps:6.1f}  {n[:150]}")
-            # busy time: kernels on the GPU streams (ops with a device "stream" in their thread name or on the
-            # GPU pids), against the step's wall clock; the gap is launch latency and idle time
+            # busy time: kernels on the GPU streams against the step's wall clock; the gap is launch latency
             res["traced_gpu_op_us_per_step"] = sum(tot.values()) / a.steps
             res["traced_gpu_ops_per_step"] = sum(cnt.values()) / a.steps
+            res["by_category_per_step"] = op_summary(ops, a.steps)
             res["top_ops_us_per_step"] = {n[:120]: round(t / a.steps, 1) for n, t in rows[:25]}
+            res["top_ops_count_per_step"] = {n[:120]: round(cnt[n] / a.steps, 2) for n, _ in rows}
     res["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     print(json.dumps(res))
     if a.json:

@@ -52,6 +52,61 @@ def host_time(fn, *args, reps=10):
     return statistics.median(ts)
 
 
+OP_CATEGORIES = ("collective", "matmul", "nsa_kernel", "other")
+_NSA_KERNELS = ("compressed_attention", "grouped_verify", "naive_verify", "window_verify")
+
+
+def op_category(name: str) -> str:
+    """Coarse class of a traced GPU op name: NCCL collectives, GEMM/GEMV fusions, our Pallas kernels, the rest."""
+    n = name.lower()
+    if any(s in n for s in ("nccl", "all-reduce", "all_reduce", "allreduce", "all-gather", "all_gather",
+                            "reduce-scatter", "collective")):
+        return "collective"
+    if any(s in n for s in ("gemm", "cublas", "cutlass", "sm90_xmma", "dot")):
+        return "matmul"
+    if any(s in n for s in _NSA_KERNELS):
+        return "nsa_kernel"
+    return "other"
+
+
+def traced_gpu_ops(fn, trace_dir: str) -> dict:
+    """Run `fn()` under the JAX profiler and read the perfetto trace back: {gpu process name: {op name: [total
+    us, count]}} over the complete ("X") events of each GPU process (one per device)."""
+    import glob
+    import gzip
+    import json
+    import os
+
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(fn())
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    ev = json.load(gzip.open(files[-1]))
+    evs = ev["traceEvents"] if isinstance(ev, dict) else ev
+    gpu = {e["pid"]: str(e["args"]["name"]) for e in evs if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    out: dict = {}
+    for e in evs:
+        if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu:
+            row = out.setdefault(gpu[e["pid"]], {}).setdefault(e["name"], [0.0, 0])
+            row[0] += e["dur"]
+            row[1] += 1
+    return out
+
+
+def op_summary(ops: dict, per: float = 1.0) -> dict:
+    """Per GPU process: busy us and op count by `op_category`, divided by `per` (e.g. steps or calls)."""
+    res = {}
+    for proc, rows in ops.items():
+        cat = {c: [0.0, 0] for c in OP_CATEGORIES}
+        for name, (us, n) in rows.items():
+            cat[op_category(name)][0] += us
+            cat[op_category(name)][1] += n
+        res[proc] = {c: dict(us=round(us / per, 1), ops=round(n / per, 1)) for c, (us, n) in cat.items()}
+        res[proc]["total_us"] = round(sum(us for us, _ in cat.values()) / per, 1)
+    return res
+
+
 def prefilled_state(model: SSVModel, prompt_ids, policy: SSVPolicy, max_new_tokens: int, *,
                     prefill_chunk: int = 512, eos_id: int | None = None):
     """The first round's state of `ssv_generate(model, prompt_ids, policy=policy, ...)` (greedy, seed 0): the
