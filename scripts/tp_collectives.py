@@ -555,8 +555,8 @@ def main(argv=None):
                   f"operand bytes as compiled for CPU; the verify stage at context {a.contexts[-1]}",
             headline=estimate(a.latency_us[0], a.bandwidth_gbs[0]),
             sensitivity=[estimate(x, b) for x in a.latency_us for b in a.bandwidth_gbs][1:],
-            measured="docs/results/tp_h200x2.json: verify 18.26 -> 13.82 ms at 128K, 17.02 -> 13.36 ms at 64K; an "
-                     "exact halving would give 9.13 and 8.51 ms, so 4.69 and 4.85 ms are unexplained"),
+            measured="docs/results/tp_h200x2.json (traced): verify 18.27 -> 13.27 ms at 128K; the 65 all-reduces "
+                     "take 0.85-0.94 ms per GPU; see its shortfall_128k"),
     )
     if not a.collectives_only:
         other = "reference" if a.backend == "kernel" else "kernel"
