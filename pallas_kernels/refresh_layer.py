@@ -1,9 +1,13 @@
 """Refresh-layer verify attention (issue #3 item 3): compressed attention with probabilities (launch 1), the
-reference routing (`nsa.block_importance` + `nsa.route`, XLA top_k), then the grouped selected + window kernel
-(launch 2, split with an LSE combine) and the gates. Two Pallas launches; the rest is small XLA glue.
+reference routing (`nsa.block_importance` + `nsa.route`, with `topn.route_top_n` as its top-n primitive: the
+Pallas top-n kernel in place of XLA's TopK launch, or a rank fusion for decode rows), then the grouped selected +
+window kernel (launch 2, split with an LSE combine) and the gates. Two attention launches (three Pallas launches
+when routing takes the top-n kernel); the rest is small XLA glue.
 """
 
 from __future__ import annotations
+
+import functools
 
 from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
@@ -12,6 +16,7 @@ from ._common import check_group_size, gate
 from .compressed import compressed_attention
 from .grouped_verify import effective_selection, fused_call
 from .naive_verify import naive_verify
+from .topn import route_top_n
 
 
 def route_from_kernel(q, q_pos, kc, vc, kv_len, k_len: int, cfg: ModelConfig, extra=None, *, interpret=False):
@@ -19,7 +24,7 @@ def route_from_kernel(q, q_pos, kc, vc, kv_len, k_len: int, cfg: ModelConfig, ex
     `block_importance` and `route` from the kernel's probabilities."""
     o_cmp, p, px = compressed_attention(q, q_pos, kc, vc, kv_len, cfg, extra, interpret=interpret)
     imp = nsa.block_importance(p, px, None if extra is None else extra.cidx, cfg, k_len // cfg.slc_block)
-    return o_cmp, nsa.route(imp, q_pos, cfg)
+    return o_cmp, nsa.route(imp, q_pos, cfg, functools.partial(route_top_n, interpret=interpret))
 
 
 def selected_and_window(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra=None, *, mode: str = "A",

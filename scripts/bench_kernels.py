@@ -10,7 +10,8 @@ forced blocks and a controlled adjacent overlap gamma (`pallas_kernels.overlap.s
 extra keys. Kernels per point: XLA reference of the selected branch, naive per-query, grouped A, grouped B, the
 complete refresh layer (cmp + routing + selected + window + gates) and the one-launch reuse layer; plus the XLA
 reference of the whole layer at the Q=16 points. fla's `parallel_nsa_fwd` runs at fla's shape (HQ=64, H=4) next to
-our grouped kernel on the same data (torch + DLPack).
+our grouped kernel on the same data (torch + DLPack). The top-n kernel (`pallas_kernels.topn`) is timed against XLA's
+TopK and the rank fusion at the routing and draft-tree shapes (`scripts/bench_topn.py`, also alone).
 
 Timing: N calls inside one jit (`lax.fori_loop` over R rotated (q, sel, q_pos, gates) sets, so L2 does not keep
 one set's blocks), host wall clock around `block_until_ready`, median of repeats, minus the same loop with an
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pallas_kernels._common import DIRECT_IO  # noqa: E402
 from ssv_jax import nsa  # noqa: E402
 from ssv_jax.config import get_config  # noqa: E402
+from scripts.bench_topn import TIMING as TOPN_TIMING, run as bench_top_n  # noqa: E402
 
 from pallas_kernels import (compressed_attention, effective_selection, grouped_verify, route_from_kernel,
                             selected_and_window, merged_sizes, naive_verify, overlap_gamma,  # noqa: E402
@@ -451,6 +453,7 @@ def main():
                    "{16,64} (grouped A/B, reuse); the gamma sweep {0.5,0.75,0.9} only at T=64K, Q=16, C=4 (naive, "
                    "grouped A/B); points are skipped (listed in 'skipped') once --budget-s is spent")
     res["fla"] = bench_fla(65536, args.n, log)
+    res["top_n"] = dict(rows=bench_top_n(log=log), timing=TOPN_TIMING)  # routing's and the draft tree's top-n
     save()
     parts = ["reuse_layer_split4", "refresh_part_cmp_kernel", "refresh_part_cmp_route", "refresh_part_slc_win"]
     plan = []

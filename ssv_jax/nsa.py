@@ -167,16 +167,17 @@ def block_importance(p, px, cidx, cfg: ModelConfig, n_sel_blocks: int) -> jax.Ar
     return imp
 
 
-def route(imp: jax.Array, q_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+def route(imp: jax.Array, q_pos: jax.Array, cfg: ModelConfig, select=None) -> jax.Array:
     """Top-n selection [B, Q, Hkv, n]: forced blocks (0, current, previous) first, then the candidates
-    j*l' <= t by (importance desc, block index asc); -1 where fewer than n blocks exist."""
+    j*l' <= t by (importance desc, block index asc); -1 where fewer than n blocks exist. `select(score, n)`
+    (default `top_n`) is the top-n primitive; the kernel path passes its own with the same contract."""
     nsel = imp.shape[-1]
     j = jnp.arange(nsel)[None, None, None, :]
     cur = (q_pos // cfg.slc_block)[:, :, None, None]
     forced = (j == 0) | (j == cur) | (j == cur - 1)
     cand = j <= cur
     score = jnp.where(forced, jnp.inf, jnp.where(cand, imp, NEG_INF))
-    val, idx = top_n(score, cfg.n_slc)  # ties: lower index first
+    val, idx = (select or top_n)(score, cfg.n_slc)  # ties: lower index first
     return jnp.where(val > NEG_INF, idx, -1).astype(jnp.int32)
 
 

@@ -70,6 +70,16 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def draft_select(mesh=None):
+    """The draft tree's top-k over the vocabulary: the Pallas top-n kernel on one GPU (XLA's TopK over 128K ids
+    takes ~135 µs per call on the H200, the kernel ~31; docs/results/topn_h200.json), XLA's TopK on the CPU and
+    on a mesh (the draft runs replicated there, outside shard_map). Both give the same indices."""
+    if _on_cpu() or mesh is not None:
+        return None
+    from pallas_kernels.topn import top_n
+    return top_n
+
+
 def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState, key, eos, max_new: int,
               phase: str = "all", mesh=None):
     """One draft -> verify -> accept -> commit round (traced; call inside jit). `phase` is "all" in generation;
@@ -78,7 +88,8 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     spec = policy.tree
     embed = m.params["embed"]
     T = st.tcache.length
-    tree = tr.build_tree(m.draft_params, dcfg, embed, st.root_hidden, st.root_token, T, st.dcache, spec)
+    tree = tr.build_tree(m.draft_params, dcfg, embed, st.root_hidden, st.root_token, T, st.dcache, spec,
+                         select=draft_select(mesh))
     if policy.order != "bfs":
         tree = tr.permute_tree(tree, *tr.flatten_order(tree, policy.order))
     if phase == "draft":

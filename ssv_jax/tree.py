@@ -159,7 +159,7 @@ StepFn = Callable[[object, int, jax.Array, jax.Array, jax.Array], tuple[object, 
 
 
 def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: jax.Array, root_pos: jax.Array,
-                    spec: TreeSpec, d2t: jax.Array | None = None) -> Tree:
+                    spec: TreeSpec, d2t: jax.Array | None = None, select=None) -> Tree:
     """The EAGLE-2/3 dynamic tree over any drafter (the head in `build_tree`, toy tables in tests).
 
     Args:
@@ -172,6 +172,8 @@ def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: ja
       root_logp: [B, Vd] draft log-probs of the depth-1 tokens.
       root_token, root_pos: [B] the root's target id and target position T.
       d2t: optional [Vd] draft -> target offsets (None: the ids are already target ids).
+      select: the top-k primitive over the draft vocabulary, `jax.lax.top_k`'s contract (default: it); the GPU
+        rounds pass the Pallas `pallas_kernels.topn.top_n`.
     Returns the `Tree` with N = spec.budget nodes in `bfs` order.
     """
     K, L = spec.top_k, spec.depth
@@ -181,7 +183,8 @@ def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: ja
     to_t = (lambda i: i) if d2t is None else (lambda i: i + d2t[i])
     E = (L - 1) * K
     root_logp = root_logp.astype(jnp.float32)
-    s, i = jax.lax.top_k(root_logp, K)
+    select = select or jax.lax.top_k
+    s, i = select(root_logp, K)
     c_score, c_tok = [s], [to_t(i).astype(jnp.int32)]
     c_parent, c_depth = [jnp.full((B, K), -1, jnp.int32)], [1] * K
     f_tok, f_score, f_cid = c_tok[0], s, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
@@ -190,7 +193,7 @@ def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: ja
     offset = K
     for level in range(1, L):
         state, logp = step_fn(state, level, f_tok, rows, anc)
-        s, i = jax.lax.top_k(logp.astype(jnp.float32), K)  # [B, K, K]
+        s, i = select(logp.astype(jnp.float32), K)  # [B, K, K]
         cu = (f_score[:, :, None] + s).reshape(B, K * K)
         tok = to_t(i).astype(jnp.int32).reshape(B, K * K)
         c_score.append(cu)
@@ -235,7 +238,7 @@ class _HeadState(NamedTuple):
 
 
 def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hidden: jax.Array,
-               root_token: jax.Array, root_pos: jax.Array, cache: DraftCache, spec: TreeSpec) -> Tree:
+               root_token: jax.Array, root_pos: jax.Array, cache: DraftCache, spec: TreeSpec, select=None) -> Tree:
     """Draft a tree with the EAGLE-3 head (see the module docstring for the algorithm).
 
     Args:
@@ -243,6 +246,7 @@ def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hi
         `draft_extend(...)[0][b, j]` where `next_tokens[b, j] == root_token[b]`; its logits give depth 1.
       root_token: [B] target id of the root (the last sampled token); root_pos: [B] its target position T.
       cache: the head cache with slots 0..T-1 committed (`cache.length == root_pos`).
+      select: the top-k primitive over the draft vocabulary (see `build_tree_with`).
     A node at depth k runs the head at head position T + k - 1, attending to the committed cache and its
     in-tree ancestors. Returns a `Tree` with N = spec.budget nodes (bfs order); nothing is committed.
     """
@@ -265,4 +269,4 @@ def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hi
         return _HeadState(out, ek, ev), jax.nn.log_softmax(logits, axis=-1)
 
     root_logp = jax.nn.log_softmax(draft_logits(params, dcfg, root_hidden), axis=-1)
-    return build_tree_with(step, state, root_logp, root_token, root_pos, spec, d2t=params["d2t"])
+    return build_tree_with(step, state, root_logp, root_token, root_pos, spec, d2t=params["d2t"], select=select)

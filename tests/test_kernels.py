@@ -20,6 +20,7 @@ from pallas_kernels import (compressed_attention, effective_selection, grouped_v
                             synthetic_selection)
 from pallas_kernels.grouped_verify import fused_call
 from pallas_kernels.groups import merged_blocks, shared_selection
+from pallas_kernels import topn
 
 CFG = get_config("tiny")
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 5e-3}
@@ -138,6 +139,50 @@ def test_compressed_attention_returns_reference_outputs_and_identical_routing(wi
     cidx = None if ex is None else ex.cidx
     route = lambda p, px: nsa.route(nsa.block_importance(p, px, cidx, CFG, S // CFG.slc_block), a["q_pos"], CFG)  # noqa
     assert (route(p, px) == route(rp, rpx)).all()
+
+
+# -- top-n (routing and the draft tree) --------------------------------------------------------------------------
+@pytest.mark.parametrize("rows,width,n", [(5, 100, 16), (3, 2000, 16), (2, 9000, 8), (1, 16, 16), (7, 33, 3)])
+def test_top_n_kernel_equals_lax_top_k_with_ties_and_infinities(rows, width, n):
+    """Same values and indices, in the same order, as `jax.lax.top_k` on fresh scores full of ties, +inf (forced
+    blocks) and -inf (absent blocks), including rows with fewer than n finite entries. Widths past
+    `MAX_TILE` take the two-stage path (per-chunk top-n, then over the candidates)."""
+    r = np.random.default_rng()
+    score = r.integers(0, 5, (rows, width)).astype(np.float32)
+    score[r.random(score.shape) < 0.05] = np.inf
+    score[r.random(score.shape) < 0.4] = -np.inf
+    score[0, : width - 1] = -np.inf  # one row with a single finite entry
+    with poison_outputs():
+        val, idx = topn.top_n(jnp.asarray(score), n, interpret=True)
+    ref_val, ref_idx = jax.lax.top_k(jnp.asarray(score), n)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    np.testing.assert_array_equal(np.asarray(val), np.asarray(ref_val))
+
+
+def test_top_n_kernel_keeps_leading_axes_and_dtype():
+    score = jax.random.normal(jax.random.key(np.random.default_rng().integers(1 << 30)), (2, 3, 4, 50), jnp.bfloat16)
+    val, idx = topn.top_n(score, 5, interpret=True)
+    ref_val, ref_idx = jax.lax.top_k(score, 5)
+    assert val.dtype == jnp.bfloat16 and idx.shape == (2, 3, 4, 5)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    np.testing.assert_array_equal(np.asarray(val), np.asarray(ref_val))
+
+
+@pytest.mark.parametrize("n", [0, 11, 2.0])
+def test_top_n_kernel_rejects_a_bad_n(n):
+    with pytest.raises(ValueError, match="n="):
+        topn.top_n(jnp.zeros((2, 10)), n, interpret=True)
+
+
+def test_refresh_layer_routes_identically_through_the_top_n_kernel(monkeypatch):
+    """With the rank fusion switched off, routing takes the Pallas top-n kernel: same selection and output."""
+    monkeypatch.setattr(topn, "RANK_MAX_PAIRS", -1)
+    a, _ = make_inputs(int(np.random.default_rng().integers(1 << 30)))
+    ref_o, ref_sel = nsa.nsa_attention(**a, cfg=CFG)
+    with poison_outputs():
+        o, sel = refresh_layer(**a, cfg=CFG, mode="A", group_size=2, interpret=True)
+    assert (sel == ref_sel).all()
+    assert rel_rms(o, ref_o) <= TOL[jnp.float32]
 
 
 # -- whole layers ------------------------------------------------------------------------------------------------

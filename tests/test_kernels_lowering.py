@@ -8,6 +8,7 @@ import pytest
 
 from ssv_jax import nsa
 from ssv_jax.config import get_config
+from pallas_kernels import topn
 from pallas_kernels import (compressed_attention, grouped_verify, naive_verify, nsa_attention_kernel,
                             refresh_layer, reuse_layer)
 
@@ -75,3 +76,22 @@ def test_stacked_cache_views_lower_for_cuda_without_slicing_the_stack(with_sel, 
     text = lower_for_cuda(fn, {n: ARGS[n] for n in ("q", "q_pos", "gates", "kv_len")}, SEL, views)
     assert text.count(TRITON) == launches
     assert "dynamic_slice" not in text  # no per-layer copy of the cache
+
+
+def test_routing_at_the_verify_shape_takes_the_top_n_kernel_not_xla_top_k():
+    """At a 64-node verify over a 64K cache (512 rows of 1088 blocks), routing's top-n is the Pallas kernel: the
+    refresh layer lowers to the two attention launches plus the top-n launch, and no XLA TopK is left."""
+    Qv, Sv = 64, 65536 + 4096
+    args = dict(ARGS, q=sds((1, Qv, HQ, D)), q_pos=sds((1, Qv), jnp.int32), gates=sds((1, Qv, HQ, 3)),
+                k=sds((1, Sv, H, D)), v=sds((1, Sv, H, D)), kc=sds((1, Sv // 16, H, D)), vc=sds((1, Sv // 16, H, D)))
+    text = lower_for_cuda(lambda a: refresh_layer(**a, cfg=CFG, group_size=C), args)
+    assert text.count(TRITON) == 3
+    assert "top_k" not in text.lower()
+    # the same layer at the decode/16-query shape above keeps the rank fusion: two launches, no TopK either
+    small = lower_for_cuda(lambda a: refresh_layer(**a, cfg=CFG, group_size=C), ARGS)
+    assert small.count(TRITON) == 2 and "top_k" not in small.lower()
+
+
+def test_top_n_kernel_lowers_for_cuda_in_one_launch_per_stage():
+    assert lower_for_cuda(lambda s: topn.top_n(s, 16), sds((512, 1088), jnp.float32)).count(TRITON) == 1
+    assert lower_for_cuda(lambda s: topn.top_n(s, 8), sds((8, 128256), jnp.float32)).count(TRITON) == 2

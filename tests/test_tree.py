@@ -1,5 +1,7 @@
 """Tree builder, flattening orders and tree structure (issue 4, tests (c), (e), (f))."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 from ssv_jax.config import get_config
 from ssv_jax.draft import (DraftConfig, draft_extend, draft_logits, draft_tree_step, init_draft_cache,
                            init_draft_params)
+from pallas_kernels.topn import top_n
 from ssv_jax.tree import (Tree, TreeSpec, build_tree, build_tree_with, flatten_order, mask_from_parents,
                           permute_tree, tree_from_parents)
 
@@ -220,6 +223,16 @@ def test_build_tree_structure(head_tree):
     # every drafted token is in the draft vocabulary's image under d2t
     img = np.asarray(jnp.arange(96) + params["d2t"])
     assert np.isin(np.asarray(t.tokens[:, 1:]), img).all()
+
+
+def test_build_tree_with_the_top_n_kernel_drafts_the_same_tree(head_tree):
+    """The GPU rounds draft with the Pallas top-n kernel (`speculative.draft_select`): the same tree."""
+    params, embed, root_h, root_tok, cache, t, _ = head_tree
+    fn = jax.jit(build_tree, static_argnums=(1, 7), static_argnames=("select",))
+    kt = fn(params, DCFG, embed, root_h, root_tok, cache.length, cache, SPEC,
+            select=functools.partial(top_n, interpret=True))
+    for a, b in zip(kt, t):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_build_tree_matches_per_path_recompute(head_tree):

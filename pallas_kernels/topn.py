@@ -1,0 +1,94 @@
+"""Top-n over the last axis, as `jax.lax.top_k`: values descending, ties broken by the lower index.
+
+The refresh layer's routing picks n = 16 of Nsel selection blocks for every (query, KV head) row. XLA's TopK
+custom call takes ~69 µs per layer at a 64-node verify over a 64K cache (512 rows x 1088 blocks; traced on the
+H200, `docs/results/verify_trace_64k.json`): 2.2 ms of a 14 ms verify. Here one program holds a tile of rows in
+registers and runs n rounds of (row max, first column at that max, retire that column). Rows wider than
+`MAX_TILE` elements go through two stages: the top-n of each column chunk, then the top-n of those candidates
+(chunks are in column order and each chunk's candidates are in (value desc, index asc) order, so ties still go
+to the lower index).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax.experimental import pallas as pl
+
+from ssv_jax import nsa
+
+from ._common import next_pow2, pallas
+
+RANK_MAX_PAIRS = 1 << 22  # route_top_n: up to here the pairwise-rank fusion is as fast (decode rows; topn_h200.json)
+MAX_TILE = 4096  # elements of a row tile held by one program (f32: 32 registers per thread at 4 warps)
+_BIG = 2 ** 30
+
+
+def _kernel(s_ref, v_ref, i_ref, *, n: int, m: int):
+    s = s_ref[...].astype(jnp.float32)  # [R, Mp]
+    col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    slot = jax.lax.broadcasted_iota(jnp.int32, v_ref.shape, 1)
+    live = col < m  # padding columns are never picked
+    vals = jnp.full(v_ref.shape, -jnp.inf, jnp.float32)
+    idxs = jnp.zeros(i_ref.shape, jnp.int32)
+    for k in range(n):
+        cand = jnp.where(live, s, -jnp.inf)
+        best = jnp.max(cand, axis=1, keepdims=True)
+        first = jnp.min(jnp.where(live & (cand == best), col, _BIG), axis=1, keepdims=True)
+        vals = jnp.where(slot == k, best, vals)
+        idxs = jnp.where(slot == k, first, idxs)
+        live = live & (col != first)
+    v_ref[...] = vals
+    i_ref[...] = idxs
+
+
+def _one_stage(x: jax.Array, n: int, interpret: bool, num_warps: int):
+    rows, m = x.shape
+    mp, npad = next_pow2(m), next_pow2(n)
+    r = max(1, min(next_pow2(rows, 1), MAX_TILE // mp))
+    rows_p = -(-rows // r) * r
+    x = jnp.pad(x, ((0, rows_p - rows), (0, mp - m)))
+    v, i = pallas(functools.partial(_kernel, n=n, m=m), grid=(rows_p // r,),
+                  in_specs=[pl.BlockSpec((r, mp), lambda g: (g, 0))],
+                  out_specs=[pl.BlockSpec((r, npad), lambda g: (g, 0))] * 2,
+                  out_shape=[jax.ShapeDtypeStruct((rows_p, npad), jnp.float32),
+                             jax.ShapeDtypeStruct((rows_p, npad), jnp.int32)],
+                  args=[x], num_warps=num_warps, num_stages=1, interpret=interpret, name="top_n")
+    return v[:rows, :n], i[:rows, :n]
+
+
+def top_n(score: jax.Array, n: int, *, interpret: bool = False, num_warps: int = 4):
+    """`jax.lax.top_k(score, n)` over the last axis with the same tie rule: returns (values [..., n] in score's
+    dtype, indices [..., n] int32). Rows of at most `MAX_TILE` elements take one launch, wider rows two."""
+    *lead, m = score.shape
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ValueError(f"n={n!r} is invalid; accepted: a Python int")
+    if not 1 <= n <= m:
+        raise ValueError(f"n={n} is invalid for rows of {m} elements; accepted: 1 <= n <= {m}")
+    if n > MAX_TILE // 2:
+        raise ValueError(f"n={n} is invalid; accepted: n <= {MAX_TILE // 2}")
+    x = score.reshape(-1, m)
+    rows = x.shape[0]
+    if next_pow2(m) <= MAX_TILE:
+        v, i = _one_stage(x, n, interpret, num_warps)
+    else:  # chunks of c columns: top-n per chunk, then over the n * chunks candidates
+        c = MAX_TILE // 2 if n <= MAX_TILE // 8 else MAX_TILE
+        nch = -(-m // c)
+        xc = jnp.pad(x, ((0, 0), (0, nch * c - m)), constant_values=-jnp.inf).reshape(rows * nch, c)
+        v1, i1 = _one_stage(xc, min(n, c), interpret, num_warps)
+        i1 = i1.reshape(rows, nch, -1) + (jnp.arange(nch, dtype=jnp.int32) * c)[None, :, None]
+        v, j = top_n(v1.reshape(rows, -1), n, interpret=interpret, num_warps=num_warps)
+        i = jnp.take_along_axis(i1.reshape(rows, -1), j, axis=1)
+    lead_shape = tuple(lead) + (n,)
+    return v.astype(score.dtype).reshape(lead_shape), i.reshape(lead_shape)
+
+
+def route_top_n(score: jax.Array, n: int, *, interpret: bool = False):
+    """The top-n primitive of the kernel path's routing (`nsa.route(..., select=)`): the reference's pairwise-rank
+    fusion for few short rows (decode), this kernel otherwise. Both equal `jax.lax.top_k`."""
+    if score[..., 0].size * score.shape[-1] ** 2 <= RANK_MAX_PAIRS:
+        return nsa.top_n(score, n)
+    return top_n(score, n, interpret=interpret)

@@ -1,0 +1,76 @@
+"""Top-n primitives at the shapes the library runs: XLA's TopK (`jax.lax.top_k`), the pairwise-rank top-n
+(`nsa.top_n`, where its pair count allows) and the Pallas `top_n` kernel.
+
+    python scripts/bench_topn.py --out docs/results/topn_h200.json
+
+Each figure is the median host wall clock of a jitted loop of `--iters` calls (each call's input depends on the
+loop index, so XLA cannot hoist it), per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.topn import top_n as pallas_top_n
+from ssv_jax import nsa
+from ssv_jax.timing import host_time
+
+SHAPES = (  # (name, rows, width, n)
+    ("routing, decode, 8K cache", 8, 132, 16),
+    ("routing, decode, 64K cache", 8, 1088, 16),
+    ("routing, 64-node verify, 64K cache", 512, 1088, 16),
+    ("routing, 64-node verify, 128K cache", 512, 2112, 16),
+    ("routing, 64-node verify, 128K cache, one of 2 TP shards", 256, 2112, 16),
+    ("draft tree, root row over the vocabulary", 1, 128256, 8),
+    ("draft tree, frontier rows over the vocabulary", 8, 128256, 8),
+)
+
+
+def run(iters: int = 50, shapes=SHAPES, log=print) -> list:
+    """One row per shape: us per call of each method and whether it equals `jax.lax.top_k`."""
+    interpret = jax.default_backend() == "cpu"
+    methods = {"xla_top_k": jax.lax.top_k, "rank_top_n": nsa.top_n,
+               "pallas_top_n": lambda s, n: pallas_top_n(s, n, interpret=interpret)}
+    rows = []
+    for name, r, m, n in SHAPES:
+        score = jax.random.normal(jax.random.key(r * m), (r, m), jnp.float32)
+        row = dict(shape=name, rows=r, width=m, n=n)
+        ref = jax.lax.top_k(score, n)[1]
+        for meth, fn in methods.items():
+            if meth == "rank_top_n" and r * m * m > nsa.RANK_TOPK_MAX_PAIRS:
+                continue  # nsa.top_n would fall back to lax.top_k here
+
+            def loop(s, fn=fn):
+                def body(i, acc):
+                    v, idx = fn(s + i.astype(jnp.float32) * 0.0, n)
+                    return acc + idx[..., 0].sum() + v[..., -1].sum().astype(jnp.int32)
+                return jax.lax.fori_loop(0, iters, body, jnp.int32(0))
+
+            same = bool(jnp.all(fn(score, n)[1] == ref))
+            row[meth] = dict(us_per_call=round(host_time(jax.jit(loop), score, reps=5) * 1e3 / iters, 2),
+                             equals_lax_top_k=same)
+        rows.append(row)
+        log(json.dumps(row))
+    return rows
+
+
+TIMING = "median host wall clock of 5 runs of a jitted fori_loop of `iters` calls, per call"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out", default="docs/results/topn_h200.json")
+    a = ap.parse_args(argv)
+    res = dict(benchmark="top_n", device=jax.devices()[0].device_kind, jax=jax.__version__, iters=a.iters,
+               rows=run(a.iters), timing=TIMING)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
