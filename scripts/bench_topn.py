@@ -25,6 +25,7 @@ SHAPES = (  # (name, rows, width, n)
     ("routing, 64-node verify, 64K cache", 512, 1088, 16),
     ("routing, 64-node verify, 128K cache", 512, 2112, 16),
     ("routing, 64-node verify, 128K cache, one of 2 TP shards", 256, 2112, 16),
+    ("draft tree, bundled model, 4 frontier rows over its 8192 ids", 4, 8192, 4),
     ("draft tree, root row over the vocabulary", 1, 128256, 8),
     ("draft tree, frontier rows over the vocabulary", 8, 128256, 8),
 )

@@ -70,11 +70,15 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def draft_select(mesh=None):
-    """The draft tree's top-k over the vocabulary: the Pallas top-n kernel on one GPU (XLA's TopK over 128K ids
-    takes ~135 µs per call on the H200, the kernel ~31; docs/results/topn_h200.json), XLA's TopK on the CPU and
-    on a mesh (the draft runs replicated there, outside shard_map). Both give the same indices."""
-    if _on_cpu() or mesh is not None:
+DRAFT_TOPN_MIN_VOCAB = 32768  # measured gain at 128K ids; smaller vocabularies keep XLA's one-launch TopK
+
+
+def draft_select(draft_vocab: int, mesh=None):
+    """The draft tree's top-k over the vocabulary: the Pallas top-n kernel on one GPU for vocabularies of at least
+    `DRAFT_TOPN_MIN_VOCAB` ids (XLA's TopK over 128K ids takes ~135 µs per call on the H200, the kernel ~31;
+    docs/results/topn_h200.json), else XLA's TopK; XLA's also on the CPU and on a mesh (the draft runs
+    replicated there, outside shard_map). Both give the same indices."""
+    if _on_cpu() or mesh is not None or draft_vocab < DRAFT_TOPN_MIN_VOCAB:
         return None
     from pallas_kernels.topn import top_n
     return top_n
@@ -89,7 +93,7 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     embed = m.params["embed"]
     T = st.tcache.length
     tree = tr.build_tree(m.draft_params, dcfg, embed, st.root_hidden, st.root_token, T, st.dcache, spec,
-                         select=draft_select(mesh))
+                         select=draft_select(dcfg.draft_vocab, mesh))
     if policy.order != "bfs":
         tree = tr.permute_tree(tree, *tr.flatten_order(tree, policy.order))
     if phase == "draft":
