@@ -13,6 +13,11 @@ minus the empty loop, median of 5). Variants:
   without probabilities, compressed + routing, selected + window;
 * reuse: one launch (default split, or a forced split count), or two launches (compressed kernel without
   probabilities, then selected + window), each with walk "skip" or "mask", for C in {2, 4, 8}.
+
+`--routing` instead times compressed attention + routing (`route_from_kernel`) with routing's top-n on the rank
+fusion and on the Pallas top-n kernel, over contexts x query counts, to place `topn.RANK_MAX_PAIRS`:
+
+    python scripts/tune_layers.py --routing --contexts 16384 32768 65536 --queries 1 4 16 --out $OUT/routing.json
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from bench_kernels import Point, time_loop
+from pallas_kernels import topn
 from pallas_kernels import compressed_attention, refresh_layer, reuse_layer, route_from_kernel, selected_and_window
+from ssv_jax import nsa
 from ssv_jax.config import get_config
 
 
@@ -59,6 +66,26 @@ def reuse_variants(cfg):
     return out
 
 
+def routing_sweep(cfg, contexts, queries, n: int) -> list:
+    """Compressed attention + routing with the rank fusion vs the top-n kernel (rows: context, Q, pairs, µs)."""
+    rows = []
+    fn = lambda q, s, t, g, k, v, kc, vc, kl: route_from_kernel(q, t, kc, vc, kl, k.shape[1], cfg)[1]  # noqa: E731
+    for T in contexts:
+        for Q in queries:
+            p = Point(cfg, T, Q, 0.75)
+            pairs = Q * cfg.n_kv_heads * (p.S // cfg.slc_block) ** 2
+            row = dict(context=T, Q=Q, rows=Q * cfg.n_kv_heads, width=p.S // cfg.slc_block, pairs=pairs)
+            for name, limit in (("rank", 1 << 62), ("kernel", -1)):
+                if name == "rank" and pairs > nsa.RANK_TOPK_MAX_PAIRS:
+                    continue  # nsa.top_n would take XLA's TopK there
+                topn.RANK_MAX_PAIRS = limit  # read at trace time; time_loop traces afresh
+                row[f"{name}_us"] = round(time_loop(fn, (p.k, p.v, p.kc, p.vc, p.kv_len),
+                                                    (p.q, p.sel, p.q_pos, p.gates), n=n)[0], 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=65536)
@@ -68,8 +95,17 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=100, help="calls per timed loop")
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new variants after this long")
     ap.add_argument("--out", default="docs/results/layer_variants_h200.json")
+    ap.add_argument("--routing", action="store_true", help="only the rank-vs-kernel routing sweep (see above)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536])
     a = ap.parse_args(argv)
     cfg = get_config("llama31-8b-nsa")
+    if a.routing:
+        res = dict(benchmark="routing_top_n", preset="llama31-8b-nsa", device=jax.devices()[0].device_kind,
+                   jax=jax.__version__, dtype="bfloat16", rows=routing_sweep(cfg, a.contexts, a.queries, a.n),
+                   timing="bench_kernels.time_loop of route_from_kernel (compressed kernel + importance + route)")
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+        return
     end = time.time() + a.budget_s
     rows = []
 
