@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from ssv_jax import nsa
 
-from ._common import next_pow2, pallas
+from ._common import NUM_SMS, next_pow2, pallas
 
 RANK_MAX_PAIRS = 1 << 22  # route_top_n: up to here the pairwise-rank fusion is as fast (decode rows; topn_h200.json)
 MAX_TILE = 4096  # elements of a row tile held by one program (f32: 32 registers per thread at 4 warps)
@@ -45,10 +45,21 @@ def _kernel(s_ref, v_ref, i_ref, *, n: int, m: int):
     i_ref[...] = idxs
 
 
-def _one_stage(x: jax.Array, n: int, interpret: bool, num_warps: int):
+def _tiling(rows: int, mp: int) -> tuple[int, int]:
+    """(rows per program, warps). Each of the n rounds is two dependent row reductions, so the kernel is
+    latency-bound: one row per program until the grid fills the SMs, and as few warps as hold the tile (one warp
+    reduces with shuffles alone, no shared-memory round trip)."""
+    r = 1
+    while r * 2 * mp <= MAX_TILE and rows // (r * 2) >= NUM_SMS:
+        r *= 2
+    return r, min(4, max(1, r * mp // 1024))
+
+
+def _one_stage(x: jax.Array, n: int, interpret: bool, num_warps: int | None):
     rows, m = x.shape
     mp, npad = next_pow2(m), next_pow2(n)
-    r = max(1, min(next_pow2(rows, 1), MAX_TILE // mp))
+    r, warps = _tiling(rows, mp)
+    num_warps = num_warps or warps
     rows_p = -(-rows // r) * r
     x = jnp.pad(x, ((0, rows_p - rows), (0, mp - m)))
     v, i = pallas(functools.partial(_kernel, n=n, m=m), grid=(rows_p // r,),
@@ -60,9 +71,10 @@ def _one_stage(x: jax.Array, n: int, interpret: bool, num_warps: int):
     return v[:rows, :n], i[:rows, :n]
 
 
-def top_n(score: jax.Array, n: int, *, interpret: bool = False, num_warps: int = 4):
+def top_n(score: jax.Array, n: int, *, interpret: bool = False, num_warps: int | None = None):
     """`jax.lax.top_k(score, n)` over the last axis with the same tie rule: returns (values [..., n] in score's
-    dtype, indices [..., n] int32). Rows of at most `MAX_TILE` elements take one launch, wider rows two."""
+    dtype, indices [..., n] int32). Rows of at most `MAX_TILE` elements take one launch, wider rows two.
+    `num_warps` (default: by tile size, see `_tiling`) overrides the warps per program."""
     *lead, m = score.shape
     if not isinstance(n, int) or isinstance(n, bool):
         raise ValueError(f"n={n!r} is invalid; accepted: a Python int")
