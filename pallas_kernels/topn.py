@@ -18,11 +18,8 @@ import jax.numpy as jnp
 
 from jax.experimental import pallas as pl
 
-from ssv_jax import nsa
-
 from ._common import NUM_SMS, next_pow2, pallas
 
-RANK_MAX_PAIRS = 1 << 22  # route_top_n: up to here the pairwise-rank fusion is as fast (decode rows; topn_h200.json)
 MAX_TILE = 4096  # elements of a row tile held by one program (f32: 32 registers per thread at 4 warps)
 _BIG = 2 ** 30
 
@@ -96,11 +93,3 @@ def top_n(score: jax.Array, n: int, *, interpret: bool = False, num_warps: int |
         i = jnp.take_along_axis(i1.reshape(rows, -1), j, axis=1)
     lead_shape = tuple(lead) + (n,)
     return v.astype(score.dtype).reshape(lead_shape), i.reshape(lead_shape)
-
-
-def route_top_n(score: jax.Array, n: int, *, interpret: bool = False):
-    """The top-n primitive of the kernel path's routing (`nsa.route(..., select=)`): the reference's pairwise-rank
-    fusion for few short rows (decode), this kernel otherwise. Both equal `jax.lax.top_k`."""
-    if score[..., 0].size * score.shape[-1] ** 2 <= RANK_MAX_PAIRS:
-        return nsa.top_n(score, n)
-    return top_n(score, n, interpret=interpret)

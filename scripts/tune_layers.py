@@ -14,8 +14,8 @@ minus the empty loop, median of 5). Variants:
 * reuse: one launch (default split, or a forced split count), or two launches (compressed kernel without
   probabilities, then selected + window), each with walk "skip" or "mask", for C in {2, 4, 8}.
 
-`--routing` instead times compressed attention + routing (`route_from_kernel`) with routing's top-n on the rank
-fusion and on the Pallas top-n kernel, over contexts x query counts, to place `topn.RANK_MAX_PAIRS`:
+`--routing` instead times compressed attention + routing (`route_from_kernel`) with routing's top-n on the
+reference's rank fusion and on the Pallas top-n kernel, over contexts x query counts:
 
     python scripts/tune_layers.py --routing --contexts 16384 32768 65536 --queries 1 4 16 --out $OUT/routing.json
 """
@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from bench_kernels import Point, time_loop
-from pallas_kernels import topn
 from pallas_kernels import compressed_attention, refresh_layer, reuse_layer, route_from_kernel, selected_and_window
 from ssv_jax import nsa
 from ssv_jax.config import get_config
@@ -69,16 +68,18 @@ def reuse_variants(cfg):
 def routing_sweep(cfg, contexts, queries, n: int) -> list:
     """Compressed attention + routing with the rank fusion vs the top-n kernel (rows: context, Q, pairs, µs)."""
     rows = []
-    fn = lambda q, s, t, g, k, v, kc, vc, kl: route_from_kernel(q, t, kc, vc, kl, k.shape[1], cfg)[1]  # noqa: E731
     for T in contexts:
         for Q in queries:
             p = Point(cfg, T, Q, 0.75)
             pairs = Q * cfg.n_kv_heads * (p.S // cfg.slc_block) ** 2
             row = dict(context=T, Q=Q, rows=Q * cfg.n_kv_heads, width=p.S // cfg.slc_block, pairs=pairs)
-            for name, limit in (("rank", 1 << 62), ("kernel", -1)):
+            for name, select in (("rank", nsa.top_n), ("kernel", None)):
                 if name == "rank" and pairs > nsa.RANK_TOPK_MAX_PAIRS:
                     continue  # nsa.top_n would take XLA's TopK there
-                topn.RANK_MAX_PAIRS = limit  # read at trace time; time_loop traces afresh
+
+                def fn(q, s, t, g, k, v, kc, vc, kl, select=select):
+                    return route_from_kernel(q, t, kc, vc, kl, k.shape[1], cfg, select=select)[1]
+
                 row[f"{name}_us"] = round(time_loop(fn, (p.k, p.v, p.kc, p.vc, p.kv_len),
                                                     (p.q, p.sel, p.q_pos, p.gates), n=n)[0], 2)
             rows.append(row)
