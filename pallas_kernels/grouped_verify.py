@@ -207,7 +207,7 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
                group_size: int, shared: bool = False, slc: bool = True, win: bool = False, kc=None, vc=None,
                gates=None, nsplit: int | None = None, interpret: bool = False, num_warps: int = 4,
                num_stages: int = 3, name: str = "grouped_verify", direct_io: bool | None = None,
-               cmp_chunk: int = 64, walk: str = "mask"):
+               cmp_chunk: int = 64, walk: str | None = None):
     """Launches the grouped kernel for the chosen branches; `shared=True` is mode B (the group's first query's
     blocks for every query), else mode A.
 
@@ -217,8 +217,11 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
     `cmp_chunk`: compressed keys per loop step (the largest power of two <= it dividing Nc).
     `direct_io` (default: whenever C*G is already a power of two >= 16) reads q and writes the outputs in their
     [B, Q, Hq, ...] layout, with no row-packing pass in XLA.
-    `walk` (mode A): "skip" visits each distinct block of the group once behind a `lax.cond`; "mask" visits every
-    entry unconditionally and masks repeats (more blocks, but a loop the compiler can pipeline)."""
+    `walk`: "skip" visits each distinct block of the group once behind a `lax.cond`; "mask" visits every entry
+    unconditionally and masks repeats (more blocks, but a loop the compiler can pipeline). Default: "mask" in mode
+    A, "skip" in mode B, whose walk over one query's distinct blocks has no repeats to mask (Q=16, 64K: 7.98 µs
+    skipping against 12.31 masked, kernels_h200.json and its predecessor)."""
+    walk = walk or ("skip" if shared else "mask")
     if walk not in WALKS:
         raise ValueError(f"walk={walk!r} is invalid; accepted: {WALKS}")
     B, Q, Hq, D = q.shape

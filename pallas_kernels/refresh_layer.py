@@ -31,7 +31,7 @@ def route_from_kernel(q, q_pos, kc, vc, kv_len, k_len: int, cfg: ModelConfig, ex
 
 def selected_and_window(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra=None, *, mode: str = "A",
                         group_size: int = 4, nsplit: int | None = None, interpret: bool = False,
-                        walk: str = "mask"):
+                        walk: str | None = None):
     """(o_slc, o_win) fp32 for the routed `sel`: the naive per-query kernel plus a C=1 window launch in mode
     "naive", else one grouped launch for both branches (mode "B" shares each group's first query's blocks;
     `walk`: see `grouped_verify.fused_call`)."""
@@ -46,7 +46,7 @@ def selected_and_window(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra=Non
 
 def refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
                   mode: str = "A", group_size: int = 4, nsplit: int | None = None, interpret: bool = False,
-                  walk: str = "mask"):
+                  walk: str | None = None):
     """Complete refresh-layer NSA attention: same arguments and result (o, sel) as `nsa.nsa_attention` with
     `sel=None`. Mode "B" attends (and returns) the group-shared selection; mode "naive" uses the per-query
     kernel for the selected branch."""

@@ -25,7 +25,7 @@ TWO_LAUNCH_MIN_QUERIES = 64  # H200, 64K: 2 launches 113 vs 121 µs at Q=64, 54 
 
 def reuse_layer(q, q_pos, gates, k, v, kc, vc, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra | None = None, *,
                 mode: str = "A", group_size: int = 4, nsplit: int | None = None, interpret: bool = False,
-                num_warps: int = 4, num_stages: int = 3, cmp_chunk: int = 64, walk: str = "mask",
+                num_warps: int = 4, num_stages: int = 3, cmp_chunk: int = 64, walk: str | None = None,
                 launches: int | None = None):
     """Gated NSA attention of a reuse layer with inherited `sel` [B, Q, Hkv, n]. Returns (o in q's dtype, the
     effective selection: `sel` in mode "A", the group-shared one in mode "B"). `launches`: 1 (all three branches

@@ -9,7 +9,7 @@ rows use: little overlap between queries) and a synthetic one with adjacent over
 trees, whose measured gamma is 0.6-0.65). Timing is `bench_kernels.time_loop` (100 calls in one jitted fori_loop,
 minus the empty loop, median of 5). Variants:
 
-* refresh: the default (walk "skip") and the branch-free walk ("mask"); its parts: the compressed kernel with and
+* refresh: the skipping walk ("skip") and the branch-free walk ("mask", mode A's default); its parts: the compressed kernel with and
   without probabilities, compressed + routing, selected + window;
 * reuse: one launch (default split, or a forced split count), or two launches (compressed kernel without
   probabilities, then selected + window), each with walk "skip" or "mask", for C in {2, 4, 8}.
@@ -38,7 +38,8 @@ from ssv_jax.config import get_config
 def refresh_variants(cfg):
     """name -> fn(q, sel, q_pos, gates, k, v, kc, vc, kv_len) for the refresh layer and its parts (sel unused)."""
     return {
-        "refresh_C4_skip": lambda q, s, t, g, k, v, kc, vc, kl: refresh_layer(q, t, g, k, v, kc, vc, kl, cfg)[0],
+        "refresh_C4_skip": lambda q, s, t, g, k, v, kc, vc, kl: refresh_layer(q, t, g, k, v, kc, vc, kl, cfg,
+                                                                              walk="skip")[0],
         "refresh_C4_mask": lambda q, s, t, g, k, v, kc, vc, kl: refresh_layer(q, t, g, k, v, kc, vc, kl, cfg,
                                                                               walk="mask")[0],
         "part_cmp_probs": lambda q, s, t, g, k, v, kc, vc, kl: compressed_attention(q, t, kc, vc, kl, cfg)[:2],
