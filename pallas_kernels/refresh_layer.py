@@ -1,8 +1,8 @@
 """Refresh-layer verify attention (issue #3 item 3): compressed attention with probabilities (launch 1), the
-reference routing (`nsa.block_importance` + `nsa.route`, with the Pallas `topn.top_n` kernel as its top-n
-primitive in place of XLA's TopK or the reference's rank fusion), then the grouped selected + window kernel (launch
-2, split with an LSE combine) and the gates. Two attention launches plus the top-n launch; the rest is small XLA
-glue.
+reference routing (`nsa.block_importance` + `nsa.route`, with `topn.route_top_n` as its top-n primitive: the
+Pallas top-n kernel in place of XLA's TopK, the reference's rank fusion for small problems), then the grouped
+selected + window kernel (launch 2, split with an LSE combine) and the gates. Two attention launches, plus the
+top-n launch past small sizes; the rest is small XLA glue.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from ._common import check_group_size, gate
 from .compressed import compressed_attention
 from .grouped_verify import effective_selection, fused_call
 from .naive_verify import naive_verify
-from .topn import top_n
+from .topn import route_top_n
 
 
 def route_from_kernel(q, q_pos, kc, vc, kv_len, k_len: int, cfg: ModelConfig, extra=None, *, interpret=False,
                       select=None):
     """Launch 1 plus routing: returns (o_cmp fp32, sel [B, Q, Hkv, n]) with `sel` computed by the reference's
     `block_importance` and `route` from the kernel's probabilities. `select` is routing's top-n primitive
-    (default: the Pallas `top_n` kernel; `nsa.top_n` gives the reference's)."""
+    (default: `topn.route_top_n`, the Pallas top-n kernel past small sizes; `nsa.top_n` is the reference's)."""
     o_cmp, p, px = compressed_attention(q, q_pos, kc, vc, kv_len, cfg, extra, interpret=interpret)
     imp = nsa.block_importance(p, px, None if extra is None else extra.cidx, cfg, k_len // cfg.slc_block)
-    return o_cmp, nsa.route(imp, q_pos, cfg, select or functools.partial(top_n, interpret=interpret))
+    return o_cmp, nsa.route(imp, q_pos, cfg, select or functools.partial(route_top_n, interpret=interpret))
 
 
 def selected_and_window(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra=None, *, mode: str = "A",

@@ -18,8 +18,11 @@ import jax.numpy as jnp
 
 from jax.experimental import pallas as pl
 
+from ssv_jax import nsa
+
 from ._common import NUM_SMS, next_pow2, pallas
 
+RANK_MAX_PAIRS = 1 << 21  # route_top_n: the rank fusion up to here (routing_top_n_h200.json, e2e_routing_check)
 MAX_TILE = 4096  # elements of a row tile held by one program (f32: 32 registers per thread at 4 warps)
 _BIG = 2 ** 30
 
@@ -93,3 +96,12 @@ def top_n(score: jax.Array, n: int, *, interpret: bool = False, num_warps: int |
         i = jnp.take_along_axis(i1.reshape(rows, -1), j, axis=1)
     lead_shape = tuple(lead) + (n,)
     return v.astype(score.dtype).reshape(lead_shape), i.reshape(lead_shape)
+
+
+def route_top_n(score: jax.Array, n: int, *, interpret: bool = False):
+    """Routing's top-n on the kernel path (`nsa.route(..., select=)`): the reference's one-fusion rank top-n for
+    small problems (rows x width^2 <= `RANK_MAX_PAIRS`: decode rows, the launch-bound bundled model, where one
+    fused op beats pad + launch), this kernel otherwise. Both equal `jax.lax.top_k`."""
+    if score[..., 0].size * score.shape[-1] ** 2 <= RANK_MAX_PAIRS:
+        return nsa.top_n(score, n)
+    return top_n(score, n, interpret=interpret)

@@ -15,7 +15,8 @@ minus the empty loop, median of 5). Variants:
   probabilities, then selected + window), each with walk "skip" or "mask", for C in {2, 4, 8}.
 
 `--routing` instead times compressed attention + routing (`route_from_kernel`) with routing's top-n on the
-reference's rank fusion and on the Pallas top-n kernel, over contexts x query counts:
+reference's rank fusion and on the Pallas top-n kernel, over contexts x query counts (to place
+`topn.RANK_MAX_PAIRS`, below which `topn.route_top_n` keeps the rank fusion):
 
     python scripts/tune_layers.py --routing --contexts 16384 32768 65536 --queries 1 4 16 --out $OUT/routing.json
 """
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from bench_kernels import Point, time_loop
+from pallas_kernels import topn
 from pallas_kernels import compressed_attention, refresh_layer, reuse_layer, route_from_kernel, selected_and_window
 from ssv_jax import nsa
 from ssv_jax.config import get_config
@@ -74,7 +76,7 @@ def routing_sweep(cfg, contexts, queries, n: int) -> list:
             p = Point(cfg, T, Q, 0.75)
             pairs = Q * cfg.n_kv_heads * (p.S // cfg.slc_block) ** 2
             row = dict(context=T, Q=Q, rows=Q * cfg.n_kv_heads, width=p.S // cfg.slc_block, pairs=pairs)
-            for name, select in (("rank", nsa.top_n), ("kernel", None)):
+            for name, select in (("rank", nsa.top_n), ("kernel", topn.top_n)):
                 if name == "rank" and pairs > nsa.RANK_TOPK_MAX_PAIRS:
                     continue  # nsa.top_n would take XLA's TopK there
 

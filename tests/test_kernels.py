@@ -174,6 +174,18 @@ def test_top_n_kernel_rejects_a_bad_n(n):
         topn.top_n(jnp.zeros((2, 10)), n, interpret=True)
 
 
+def test_refresh_layer_routes_identically_through_the_top_n_kernel(monkeypatch):
+    """With the rank fusion's size limit at zero, routing takes the Pallas top-n kernel: same selection, same
+    output."""
+    monkeypatch.setattr(topn, "RANK_MAX_PAIRS", -1)
+    a, _ = make_inputs(int(np.random.default_rng().integers(1 << 30)))
+    ref_o, ref_sel = nsa.nsa_attention(**a, cfg=CFG)
+    with poison_outputs():
+        o, sel = refresh_layer(**a, cfg=CFG, mode="A", group_size=2, interpret=True)
+    assert (sel == ref_sel).all()
+    assert rel_rms(o, ref_o) <= TOL[jnp.float32]
+
+
 # -- whole layers ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,group_size", [(jnp.float32, 2), (jnp.bfloat16, 8)])
 def test_refresh_layer_equals_nsa_attention_and_routes_identically(dtype, group_size):
