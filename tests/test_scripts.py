@@ -132,3 +132,26 @@ def test_implied_8b_speed_combines_round_cost_ar_step_and_tau(tmp_path):
     assert a["implied_speedup"] == pytest.approx(tau / r32 * ar32)
     assert b["round_ms"] == pytest.approx(r128) and b["round_source"] == "tp_h200x2.json"
     assert b["implied_speedup"] is None and b["ar_tokens_per_s"] is None
+
+
+def test_traced_op_classes_and_per_gpu_summary():
+    """`timing.op_summary` (bench_verify --trace-dir, profile_decode) sums each GPU's traced busy time and op
+    count by class, per call: NCCL collectives, GEMM fusions, our Pallas kernels, everything else."""
+    from ssv_jax.timing import OP_CATEGORIES, op_category, op_summary
+
+    names = {"ncclDevKernel_AllReduce_Sum_f32_RING_LL": "collective", "all-reduce-start.3": "collective",
+             "gemm_fusion_dot_260": "matmul", "cutlass_80_tensorop_bf16_s16816gemm": "matmul",
+             "compressed_attention": "nsa_kernel", "grouped_verify": "nsa_kernel", "top_n": "nsa_kernel",
+             "loop_add_fusion_62": "other", "input_reduce_fusion_160": "other"}
+    assert {n: op_category(n) for n in names} == names
+    r = np.random.default_rng()
+    ops = {f"/device:GPU:{g}": {n: [float(r.integers(1, 100)), int(r.integers(1, 9))] for n in names} for g in (0, 1)}
+    per = 4
+    summary = op_summary(ops, per)
+    for gpu, rows in ops.items():
+        got = summary[gpu]
+        for c in OP_CATEGORIES:
+            want_us = sum(us for n, (us, _) in rows.items() if names[n] == c) / per
+            want_ops = sum(k for n, (_, k) in rows.items() if names[n] == c) / per
+            assert got[c] == {"us": round(want_us, 1), "ops": round(want_ops, 1)}
+        assert got["total_us"] == round(sum(us for us, _ in rows.values()) / per, 1)
