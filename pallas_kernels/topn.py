@@ -3,7 +3,8 @@
 The refresh layer's routing picks n = 16 of Nsel selection blocks for every (query, KV head) row. XLA's TopK
 custom call takes ~69 µs per layer at a 64-node verify over a 64K cache (512 rows x 1088 blocks; traced on the
 H200, `docs/results/verify_trace_64k.json`): 2.2 ms of a 14 ms verify. Here one program holds a tile of rows in
-registers and runs n rounds of (row max, first column at that max, retire that column). Rows wider than
+registers and runs n rounds of (row max, first column at that max, retire that column); the rounds are
+dependent reductions, so the tiling (`_tiling`) is chosen for latency, not bandwidth. Rows wider than
 `MAX_TILE` elements go through two stages: the top-n of each column chunk, then the top-n of those candidates
 (chunks are in column order and each chunk's candidates are in (value desc, index asc) order, so ties still go
 to the lower index).
@@ -15,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from jax.experimental import pallas as pl
 
 from ssv_jax import nsa
