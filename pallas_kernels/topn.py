@@ -13,6 +13,7 @@ to the lower index).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,6 @@ def route_top_n(score: jax.Array, n: int, *, interpret: bool = False):
     """Routing's top-n on the kernel path (`nsa.route(..., select=)`): the reference's one-fusion rank top-n for
     small problems (rows x width^2 <= `RANK_MAX_PAIRS`: decode rows, the launch-bound bundled model, where one
     fused op beats pad + launch), this kernel otherwise. Both equal `jax.lax.top_k`."""
-    if score[..., 0].size * score.shape[-1] ** 2 <= RANK_MAX_PAIRS:
+    if math.prod(score.shape[:-1]) * score.shape[-1] ** 2 <= RANK_MAX_PAIRS:
         return nsa.top_n(score, n)
     return top_n(score, n, interpret=interpret)

@@ -6,8 +6,8 @@
 
 Methods: AR NSA; naive SD+NSA (per-query kernel, no grouping, no reuse); SSV with a fixed policy (the best
 fixed one given, kernel path; `--tree`, and `--schedule`, which the baselines do not take); SSV with the planner
-(policy "auto", choosing within the fixed policy's precision class); dense EAGLE-3 SD (the same weights with dense attention). Each method runs once per prompt to
-compile, then once timed; tokens/s excludes prefill.
+(policy "auto", choosing within the fixed policy's precision class); dense EAGLE-3 SD (the same weights with dense
+attention). Each method runs once per prompt to compile, then once timed; tokens/s excludes prefill.
 
 Round time split (issue #8; off with `--no-split`): after each context's methods, one SSV round of the fixed
 policy from the first prompt's prefilled state is split into draft, routing, attention (the NSA branches), the rest

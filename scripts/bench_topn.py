@@ -37,7 +37,7 @@ def run(iters: int = 50, shapes=SHAPES, log=print) -> list:
     methods = {"xla_top_k": jax.lax.top_k, "rank_top_n": nsa.top_n,
                "pallas_top_n": lambda s, n: pallas_top_n(s, n, interpret=interpret)}
     rows = []
-    for name, r, m, n in SHAPES:
+    for name, r, m, n in shapes:
         score = jax.random.normal(jax.random.key(r * m), (r, m), jnp.float32)
         row = dict(shape=name, rows=r, width=m, n=n)
         ref = jax.lax.top_k(score, n)[1]

@@ -13,6 +13,10 @@ The split of a round (issue #8) is a model built from differences of timed jitte
 from __future__ import annotations
 
 import functools
+import glob
+import gzip
+import json
+import os
 import statistics
 import time
 
@@ -72,11 +76,6 @@ def op_category(name: str) -> str:
 def traced_gpu_ops(fn, trace_dir: str) -> dict:
     """Run `fn()` under the JAX profiler and read the perfetto trace back: {gpu process name: {op name: [total
     us, count]}} over the complete ("X") events of each GPU process (one per device)."""
-    import glob
-    import gzip
-    import json
-    import os
-
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready(fn())
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
