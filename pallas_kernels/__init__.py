@@ -2,7 +2,8 @@
 
 `nsa_attention_kernel` is the kernel path of `ssv_jax.nsa.nsa_attention`: same signature and result (o, sel).
 Without `sel` it runs the refresh layer (compressed attention with probabilities, reference routing, grouped
-selected + window); with `sel` it runs the one-launch reuse kernel. `mode`: "A" exact merge, "B" shared index
+selected + window), or for one query per row the two-launch decode layer that routes inside its kernel; with
+`sel` it runs the one-launch reuse kernel. `mode`: "A" exact merge, "B" shared index
 (approximate: attends, and returns, the first query's blocks for each group of `group_size` queries), "naive"
 per-query selected branch (the naive SD+NSA baseline).
 """
@@ -19,6 +20,8 @@ from ssv_jax.config import ModelConfig
 
 from ._common import gate, poison_outputs
 from .compressed import compressed_attention
+from .decode_layer import decode_refresh_layer
+from .decode_layer import supports as _decode_supports
 from .grouped_verify import effective_selection, grouped_verify
 from .naive_verify import naive_verify
 from .overlap import merged_sizes, overlap_gamma, synthetic_selection
@@ -46,6 +49,8 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
         o_slc, o_win = selected_and_window(q, q_pos, k, v, kv_len, sel, cfg, extra, mode="naive",
                                            interpret=interpret)
         return gate(gates, o_cmp, o_slc, o_win, q.dtype), sel
+    if _decode_supports(cfg, q.shape, k.shape, extra, sel):  # one query: routing inside the attention kernel
+        return decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg, interpret=interpret)
     if sel is None:
         return refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg, extra, mode=mode, group_size=group_size,
                              interpret=interpret)
@@ -57,5 +62,6 @@ nsa_attention_kernel.reads_layer_views = True  # k, v, kc, vc may be nsa.LayerKV
 nsa_attention_kernel.reads_compressed_views = True
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
-           "compressed_attention", "overlap_gamma", "merged_sizes", "synthetic_selection", "effective_selection",
+           "compressed_attention", "decode_refresh_layer", "overlap_gamma", "merged_sizes", "synthetic_selection",
+           "effective_selection",
            "poison_outputs", "MODES"]

@@ -19,6 +19,13 @@ reference's rank fusion and on the Pallas top-n kernel, over contexts x query co
 `topn.RANK_MAX_PAIRS`, below which `topn.route_top_n` keeps the rank fusion):
 
     python scripts/tune_layers.py --routing --contexts 16384 32768 65536 --queries 1 4 16 --out $OUT/routing.json
+
+`--decode` instead times a decode step's refresh layer (one query): the generic path (`refresh_layer`: compressed
+kernel, XLA routing glue, selected + window kernel) against `decode_refresh_layer` (routing inside the second
+kernel) at several split counts, after checking on the same inputs that both route identically and agree on the
+output:
+
+    python scripts/tune_layers.py --decode --contexts 8192 32768 65536 --out $OUT/decode_layer.json
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import jax.numpy as jnp
 from bench_kernels import Point, time_loop
 from pallas_kernels import topn
 from pallas_kernels import compressed_attention, refresh_layer, reuse_layer, route_from_kernel, selected_and_window
+from pallas_kernels.decode_layer import decode_refresh_layer
 from ssv_jax import nsa
 from ssv_jax.config import get_config
 
@@ -90,6 +98,37 @@ def routing_sweep(cfg, contexts, queries, n: int) -> list:
     return rows
 
 
+def decode_sweep(cfg, contexts, n: int, variants=((None, None, 4), (None, None, 1), (None, None, 2), (4, None, 2),
+                                                   (8, None, 2), (4, None, 1))) -> list:
+    """A decode step's refresh layer, generic path vs `decode_refresh_layer` (rows: context, variant, µs), with
+    the two paths' selections compared and their outputs' relative RMS difference on the timed inputs."""
+    rows = []
+    for T in contexts:
+        p = Point(cfg, T, 1, 0.75)
+        static = (p.k, p.v, p.kc, p.vc, p.kv_len)
+        rot = (p.q, p.sel, p.q_pos, p.gates)
+        generic = jax.jit(lambda q, t, g: refresh_layer(q, t, g, *static[:4], p.kv_len, cfg, group_size=1))
+        o_ref, s_ref = generic(p.q[0], p.q_pos[0], p.gates[0])
+        row = dict(context=T, capacity=p.S, variant="generic",
+                   us=round(time_loop(lambda q, s, t, g, k, v, kc, vc, kl: refresh_layer(
+                       q, t, g, k, v, kc, vc, kl, cfg, group_size=1)[0], static, rot, n=n)[0], 2))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        for ns, cs, nw in variants:
+            def fn(q, s, t, g, k, v, kc, vc, kl, ns=ns, cs=cs, nw=nw):
+                return decode_refresh_layer(q, t, g, k, v, kc, vc, kl, cfg, nsplit=ns, cmp_nsplit=cs, num_warps=nw)
+
+            o, sel = jax.jit(lambda *a: fn(a[0], None, *a[1:]))(p.q[0], p.q_pos[0], p.gates[0], *static)
+            diff = jnp.sqrt(jnp.mean((o.astype(jnp.float32) - o_ref.astype(jnp.float32)) ** 2)
+                            / jnp.mean(o_ref.astype(jnp.float32) ** 2))
+            row = dict(context=T, capacity=p.S, variant=f"decode_nsplit{ns}_cmp{cs}_warps{nw}",
+                       same_selection=bool((sel == s_ref).all()), rel_rms_vs_generic=float(diff),
+                       us=round(time_loop(fn, static, rot, n=n)[0], 2))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=65536)
@@ -101,8 +140,16 @@ def main(argv=None):
     ap.add_argument("--out", default="docs/results/layer_variants_h200.json")
     ap.add_argument("--routing", action="store_true", help="only the rank-vs-kernel routing sweep (see above)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536])
+    ap.add_argument("--decode", action="store_true", help="only the decode refresh-layer sweep (see above)")
     a = ap.parse_args(argv)
     cfg = get_config("llama31-8b-nsa")
+    if a.decode:
+        res = dict(benchmark="decode_refresh_layer", preset="llama31-8b-nsa", device=jax.devices()[0].device_kind,
+                   jax=jax.__version__, dtype="bfloat16", rows=decode_sweep(cfg, a.contexts, a.n),
+                   timing="bench_kernels.time_loop: net µs per call, median of 5; cache capacity context + 1024")
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+        return
     if a.routing:
         res = dict(benchmark="routing_top_n", preset="llama31-8b-nsa", device=jax.devices()[0].device_kind,
                    jax=jax.__version__, dtype="bfloat16", rows=routing_sweep(cfg, a.contexts, a.queries, a.n),

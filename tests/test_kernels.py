@@ -15,7 +15,7 @@ import pytest
 
 from ssv_jax import nsa
 from ssv_jax.config import get_config
-from pallas_kernels import (compressed_attention, effective_selection, grouped_verify, merged_sizes, naive_verify,
+from pallas_kernels import (compressed_attention, decode_refresh_layer, effective_selection, grouped_verify, merged_sizes, naive_verify,
                             nsa_attention_kernel, overlap_gamma, poison_outputs, refresh_layer, reuse_layer,
                             synthetic_selection)
 from pallas_kernels.grouped_verify import fused_call
@@ -292,6 +292,49 @@ def test_non_dividing_shapes_and_bad_modes_are_rejected():
         nsa_attention_kernel(**a, cfg=CFG, mode="C", interpret=True)
     with pytest.raises(ValueError, match=r"n_slc=6 is invalid for the kernels; accepted: a power of two"):
         grouped_verify(q, t, k, v, kl, jnp.zeros((1, Q, 2, 6), jnp.int32), CFG.replace(n_slc=6), interpret=True)
+
+
+# -- the one-query refresh layer (decode): routing inside the kernel ---------------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_refresh_layer_equals_nsa_attention_and_routes_identically(dtype):
+    """For one query per row, at fresh random lengths from the first token to the end of a cache of several
+    routing tiles (including fewer than n candidate blocks, and compressed blocks that spill across a tile),
+    the two-launch decode layer routes exactly as the reference and matches its output."""
+    rng = np.random.default_rng()
+    S2, B = 4096, 2  # tiny: 512 compressed blocks = two routing tiles
+    H, Hq, D = CFG.n_kv_heads, CFG.n_heads, CFG.head_dim
+    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 5)
+    k = jax.random.normal(ks[0], (B, S2, H, D), dtype)
+    v = jax.random.normal(ks[1], (B, S2, H, D), dtype)
+    kc, vc = nsa.compress_all(k, CFG), nsa.compress_all(v, CFG)
+    f = jax.jit(lambda q, qp, g, kl: decode_refresh_layer(q, qp, g, k, v, kc, vc, kl, CFG, interpret=True,
+                                                          nsplit=int(rng.integers(1, 5)), cmp_nsplit=3))
+    tile_edge = 2048 + CFG.cmp_len - 1  # the last block of the first tile completes here and spills over
+    for lengths in ([1, 2 + int(rng.integers(60))], [tile_edge, S2], list(rng.integers(1, S2 + 1, B))):
+        kv_len = jnp.asarray(lengths, jnp.int32)
+        q = jax.random.normal(jax.random.fold_in(ks[2], lengths[1]), (B, 1, Hq, D), dtype)
+        gates = jax.nn.sigmoid(jax.random.normal(ks[3], (B, 1, Hq, 3)))
+        ref_o, ref_sel = nsa.nsa_attention(q, kv_len[:, None] - 1, gates, k, v, kc, vc, kv_len, CFG)
+        with poison_outputs():
+            o, sel = f(q, kv_len[:, None] - 1, gates, kv_len)
+        assert (sel == ref_sel).all(), lengths
+        assert o.dtype == dtype and rel_rms(o, ref_o) <= TOL[dtype]
+
+
+def test_one_query_dispatch_takes_the_decode_layer_on_stacked_views():
+    """`nsa_attention_kernel` with one query and no `sel` runs the decode layer; on `nsa.LayerKV` views of
+    stacked caches it equals the sliced layer's reference."""
+    a, _ = make_inputs(int(np.random.default_rng().integers(1 << 30)), with_extra=False)
+    b, _ = make_inputs(16, with_extra=False)
+    a.update(q=a["q"][:, :1], q_pos=a["q_pos"][:, :1], gates=a["gates"][:, :1])
+    stack = {n: jnp.stack([b[n], a[n]]) for n in ("k", "v", "kc", "vc")}
+    views = {n: nsa.LayerKV(stack[n], jnp.int32(1)) for n in stack}
+    ref_o, ref_sel = nsa.nsa_attention(**a, cfg=CFG)
+    fn = lambda x: nsa_attention_kernel(**{**a, **x}, cfg=CFG, group_size=1, interpret=True)  # noqa: E731
+    assert "decode_refresh" in str(jax.make_jaxpr(fn)(views))
+    with poison_outputs():
+        o, sel = fn(views)
+    assert (sel == ref_sel).all() and rel_rms(o, ref_o) <= 1e-5
 
 
 # -- stacked caches read in place ------------------------------------------------------------------------------

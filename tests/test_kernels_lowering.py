@@ -91,6 +91,16 @@ def test_routing_takes_the_top_n_kernel_or_the_rank_fusion_never_xla_top_k(q, s,
     assert "top_k" not in text.lower()
 
 
+@pytest.mark.parametrize("s", [8192 + 256, 65536 + 4096])
+def test_a_decode_step_refresh_layer_is_two_launches_routing_inside_the_second(s):
+    """One query: the compressed kernel, then `decode_refresh` (routing, selected and window); no XLA TopK."""
+    args = dict(ARGS, q=sds((1, 1, HQ, D)), q_pos=sds((1, 1), jnp.int32), gates=sds((1, 1, HQ, 3)),
+                k=sds((1, s, H, D)), v=sds((1, s, H, D)), kc=sds((1, s // 16, H, D)), vc=sds((1, s // 16, H, D)))
+    text = lower_for_cuda(lambda a: nsa_attention_kernel(**a, cfg=CFG, group_size=1), args)
+    assert text.count(TRITON) == 2 and "decode_refresh" in text
+    assert "top_k" not in text.lower()
+
+
 def test_top_n_kernel_lowers_for_cuda_in_one_launch_per_stage():
     assert lower_for_cuda(lambda s: topn.top_n(s, 16), sds((512, 1088), jnp.float32)).count(TRITON) == 1
     assert lower_for_cuda(lambda s: topn.top_n(s, 8), sds((8, 128256), jnp.float32)).count(TRITON) == 2

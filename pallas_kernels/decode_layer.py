@@ -1,0 +1,239 @@
+"""One-query refresh layer (decode): routing inside the attention kernel.
+
+On the generic path a decode step's refresh layer is the compressed kernel, about ten small XLA ops of routing
+glue (split combine, probabilities, block importance, forced blocks, rank top-n) and the selected + window
+kernel. With one query per KV head those glue ops cost more than both kernels together
+(docs/results/decode_profile_8k_h200.json). Here the layer is two launches and one XLA combine:
+
+1. the compressed kernel (split over compressed-block chunks) writes its split states and the masked logits
+   (`compressed_launch(emit="logits")`);
+2. `_kernel`, split over the selected and window blocks, first routes: each program LSE-combines the compressed
+   splits' (m, l), forms the probabilities exp(s - lse) of the visible blocks tile by tile, pools them into
+   selection-block importances (a reshape to [selection block, block within it] and a sum, plus a second load
+   shifted by one selection block for the blocks that reach into the next one), sets the forced blocks and
+   candidates as `nsa.route` does, and runs n rounds of (max, first index at the max, retire). It then attends
+   its share of the selected blocks and of the window blocks (one online-softmax state each);
+3. XLA combines the splits of all three branches and applies the gates.
+
+Every program of a (query, KV head) routes identically (same inputs, same arithmetic); split 0 writes `sel`.
+The routing arithmetic differs from the reference's only in summation order, so near-ties of importance may in
+principle route differently; the tests check identical routing on fresh random inputs. Reference: `ssv_jax.nsa`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig
+
+from ._common import (NEG, cache_arg, cache_refs, check_cache, check_cfg, combine, gate, init_state, layer_arg,
+                      next_pow2, pallas, rows_of, scores, split_count, unrows, update)
+from .compressed import compressed_launch, compressed_splits
+
+TILE = 256  # compressed blocks per routing tile
+_BIG = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    g: int  # query heads per KV head (rows in use)
+    gp: int  # those rows padded to a power of two (routing)
+    mp: int  # rows, padded to a power of two >= 16 (attention)
+    d: int
+    n: int
+    ls: int
+    window: int
+    cmp_len: int
+    cmp_stride: int
+    ts: int  # compressed blocks per routing tile
+    nt: int  # routing tiles
+    ntp: int  # routing tiles, padded to a power of two
+    nsel: int  # selection blocks of the cache
+    slots: int  # compressed-split slots (a power of two >= the compressed launch's splits)
+    nwin: int  # window blocks a query can touch
+    nsplit: int
+    kv_stacked: bool
+
+    @property
+    def sbt(self) -> int:  # selection blocks per routing tile
+        return self.ts * self.cmp_stride // self.ls
+
+
+def _all(x, op):
+    """`op` over every axis (the Triton lowering reduces one axis at a time)."""
+    while x.ndim:
+        x = op(x, axis=-1)
+    return x
+
+
+def _route(sp: _Spec, s_ref, ma_ref, la_ref, t, nvis, nsa_splits):
+    """The selection [n] int32 of one query for one KV head (see the module docstring)."""
+    r = sp.ls // sp.cmp_stride  # compressed blocks starting in each selection block
+    rows = pl.ds(0, sp.gp)  # the G real rows (padded to a power of two)
+    # LSE of the compressed branch from its split states (slots past the launch's splits are unwritten)
+    live_slot = jax.lax.broadcasted_iota(jnp.int32, (sp.slots, sp.gp), 0) < nsa_splits
+    ma = jnp.where(live_slot, ma_ref[:, rows], NEG)
+    la = jnp.where(live_slot, la_ref[:, rows], 0.0)
+    mt = jnp.max(ma, axis=0)
+    lt = jnp.sum(jnp.exp(ma - mt[None, :]) * la, axis=0)
+    lse = (mt + jnp.log(jnp.where(lt > 0, lt, 1.0)))[:, None]
+    row = jax.lax.broadcasted_iota(jnp.int32, (sp.gp, sp.ts), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (sp.gp, sp.ts), 1)
+    # a block starting at offset k*d of a selection block reaches into the next one when k*d + l - 1 >= l'
+    k = jax.lax.broadcasted_iota(jnp.int32, (sp.gp, sp.sbt, r), 2)
+    spills = k * sp.cmp_stride + sp.cmp_len - 1 >= sp.ls
+    tile = jax.lax.broadcasted_iota(jnp.int32, (sp.ntp, sp.sbt), 0)
+
+    def probs(c0):  # [Gp, sbt, r] probabilities of blocks c0 .. c0 + ts - 1 (the logits sit r columns right)
+        ok = (row < sp.g) & (c0 + col >= 0) & (c0 + col < nvis)  # real rows, visible blocks
+        p = jnp.where(ok, jnp.exp(s_ref[rows, pl.ds(c0 + r, sp.ts)] - lse), 0.0)
+        return p.reshape(sp.gp, sp.sbt, r)
+
+    def pool(i, imp):
+        c0 = pl.multiple_of(i * sp.ts, sp.ts)
+        # selection block j gets its own blocks, and the previous selection block's blocks that spill into it
+        part = jnp.sum(probs(c0), axis=2) + jnp.sum(jnp.where(spills, probs(c0 - r), 0.0), axis=2)
+        return jnp.where(tile == i, jnp.sum(part, axis=0)[None, :], imp)
+
+    # tiles up to the one holding the selection block after the last visible block's (it may take a spill)
+    n_tiles = jnp.minimum(((nvis - 1) // r + 1) // sp.sbt + 1, sp.nt)
+    imp = jax.lax.fori_loop(0, n_tiles, pool, jnp.zeros((sp.ntp, sp.sbt), jnp.float32))
+
+    # top-n as nsa.route: forced blocks (+inf) first, then candidates j <= t // l' by (importance desc, index asc)
+    sid = (tile * sp.sbt + jax.lax.broadcasted_iota(jnp.int32, (sp.ntp, sp.sbt), 1)).reshape(-1)
+    cur = t // sp.ls
+    forced = (sid == 0) | (sid == cur) | (sid == cur - 1)
+    score = jnp.where(forced, jnp.inf, jnp.where(sid <= cur, imp.reshape(-1), -jnp.inf))
+    live = sid < sp.nsel
+    slot = jax.lax.broadcasted_iota(jnp.int32, (sp.n,), 0)
+    sel = jnp.full((sp.n,), -1, jnp.int32)
+    for i in range(sp.n):
+        cand = jnp.where(live, score, -jnp.inf)
+        best = jnp.max(cand)
+        first = jnp.min(jnp.where(live & (cand == best), sid, _BIG))
+        sel = jnp.where(slot == i, jnp.where(best > -jnp.inf, first, -1), sel)
+        live = live & (sid != first)
+    return sel
+
+
+def _kernel(rows_ref, meta_ref, s_ref, ma_ref, la_ref, k_ref, v_ref, *rest, sp: _Spec):
+    layer_ref = rest[0] if sp.kv_stacked else None
+    sel_ref, acc_ref, m_ref, l_ref = rest[-4:]
+    k_ref, v_ref = cache_refs(layer_ref, (k_ref, sp.kv_stacked), (v_ref, sp.kv_stacked))
+    split = pl.program_id(2)
+    t, kvlen, nvis, nsa_splits = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
+    sel = _route(sp, s_ref, ma_ref, la_ref, t, nvis, nsa_splits)
+
+    @pl.when(split == 0)
+    def _():
+        sel_ref[...] = sel
+
+    q = rows_ref[...]
+    scale = sp.d ** -0.5
+    ar = jax.lax.broadcasted_iota(jnp.int32, (1, sp.ls), 1)
+    slot = jax.lax.broadcasted_iota(jnp.int32, (sp.n,), 0)
+    per = -(-(sp.n + sp.nwin) // sp.nsplit)
+    lo = split * per
+    hi = jnp.minimum(sp.n + sp.nwin, lo + per)
+
+    def attend(st, blk, extra_ok):
+        start = pl.multiple_of(blk * sp.ls, sp.ls)
+        pos = start + ar
+        valid = extra_ok(pos) & (pos <= t) & (pos < kvlen)
+        return update(st, scores(q, k_ref.rows(start, sp.ls), scale), valid, v_ref.rows(start, sp.ls))[0]
+
+    def slc_body(e, st):  # selected entry e (-1: empty)
+        blk = _all(jnp.where(slot == e, sel, 0), jnp.sum)
+        return attend(st, jnp.maximum(blk, 0), lambda pos: jnp.broadcast_to(blk >= 0, pos.shape))
+
+    cur = t // sp.ls
+    w0 = jnp.maximum(t - sp.window + 1, 0) // sp.ls
+
+    def win_body(e, st):  # window block w0 + e - n (past the current block: masked)
+        blk = w0 + e - sp.n
+        return attend(st, jnp.minimum(blk, cur), lambda pos: (blk <= cur) & (pos > t - sp.window))
+
+    st_s = jax.lax.fori_loop(jnp.minimum(lo, sp.n), jnp.minimum(hi, sp.n), slc_body, init_state(sp.mp, sp.d))
+    st_w = jax.lax.fori_loop(jnp.maximum(lo, sp.n), jnp.maximum(hi, sp.n), win_body, init_state(sp.mp, sp.d))
+    for b, (acc, m, l) in enumerate((st_s, st_w)):
+        acc_ref[b] = acc
+        m_ref[b] = m
+        l_ref[b] = l
+
+
+def supports(cfg: ModelConfig, q_shape, k_shape, extra, sel) -> bool:
+    """Whether `decode_refresh_layer` serves this call: one query per batch row, no in-flight keys, routing to
+    do, selection blocks that are a power-of-two number of compressed strides, and compressed blocks no longer
+    than a selection block (so a block meets at most the next selection block)."""
+    r = cfg.slc_block // cfg.cmp_stride
+    return (q_shape[1] == 1 and extra is None and sel is None and cfg.slc_block % cfg.cmp_stride == 0
+            and r & (r - 1) == 0 and cfg.cmp_len <= cfg.slc_block)
+
+
+def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, *, nsplit: int | None = None,
+                         cmp_nsplit: int | None = None, interpret: bool = False, num_warps: int = 2,
+                         num_stages: int = 2):
+    """Refresh-layer NSA attention for one query per batch row (decode), as `nsa.nsa_attention(sel=None)` with
+    no extras: returns (o [B, 1, Hq, D] in q's dtype, sel [B, 1, Hkv, n]). k, v, kc, vc may be `nsa.LayerKV`
+    views. `nsplit` splits the selected + window blocks over programs, `cmp_nsplit` the compressed blocks."""
+    B, Q, Hq, D = q.shape
+    H = k.shape[2]
+    G = Hq // H
+    if not supports(cfg, q.shape, k.shape, None, None):
+        raise ValueError(f"decode_refresh_layer serves one query per row (got Q={Q}) with slc_block/cmp_stride "
+                         f"a power of two (got {cfg.slc_block}/{cfg.cmp_stride}) and cmp_len <= slc_block "
+                         f"(got {cfg.cmp_len})")
+    check_cfg(cfg, D)
+    check_cache(k, v, kc, cfg)
+    mp = next_pow2(G)
+    nc = kc.shape[1]
+    r = cfg.slc_block // cfg.cmp_stride
+    ts = max(TILE, r)
+    nt = -(-nc // ts)
+    rows = rows_of(q, H, 1, mp)  # [B, H, 1, Mp, D]
+    na, _ = compressed_splits(B * H, nc, cmp_nsplit)
+    slots = next_pow2(na, minimum=1)
+    acc_a, m_a, l_a, logits = compressed_launch(rows, q_pos, kc, vc, kv_len, cfg, ct=1, g=G, nsplit=cmp_nsplit,
+                                                interpret=interpret, emit="logits",
+                                                logits_width=nt * ts + r, logits_offset=r, split_slots=slots)
+    nwin = -(-(cfg.window - 1) // cfg.slc_block) + 1
+    if nsplit is None:
+        nsplit = split_count(B * H, cfg.n_slc + nwin, max_split=8, waves=1)
+    sp = _Spec(g=G, gp=next_pow2(G, minimum=1), mp=mp, d=D, n=cfg.n_slc, ls=cfg.slc_block, window=cfg.window, cmp_len=cfg.cmp_len,
+               cmp_stride=cfg.cmp_stride, ts=ts, nt=nt, ntp=next_pow2(nt, minimum=1), nsel=k.shape[1] // cfg.slc_block,
+               slots=slots, nwin=nwin, nsplit=int(nsplit), kv_stacked=isinstance(k, nsa.LayerKV))
+
+    t = q_pos[:, 0].astype(jnp.int32)
+    kl = kv_len.astype(jnp.int32)
+    nvis = nsa.num_complete_blocks(jnp.minimum(t + 1, kl), cfg)
+    meta = jnp.stack([t, kl, nvis, jnp.full_like(t, na)], -1)[:, None, :]  # [B, 1, 4]
+    (k_arr, k_spec), (v_arr, v_spec) = cache_arg(k, H), cache_arg(v, H)
+    bh = lambda i: (i // H, i % H)  # noqa: E731
+    per_q = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
+                                        lambda i, j, s: (*bh(i), j) + (0,) * len(shape))
+    per_split = lambda *shape: pl.BlockSpec((None, None, None, None) + shape,  # noqa: E731
+                                            lambda i, j, s: (*bh(i), j, s) + (0,) * len(shape))
+    args = [rows, meta, logits, m_a, l_a, k_arr, v_arr]
+    specs = [per_q(mp, D), pl.BlockSpec((None, None, 4), lambda i, j, s: (i // H, j, 0)), per_q(mp, nt * ts + r),
+             per_q(slots, mp), per_q(slots, mp), k_spec, v_spec]
+    layer = layer_arg(k, v)
+    if layer is not None:
+        args.append(layer)
+        specs.append(pl.BlockSpec((1,), lambda i, j, s: (0,)))
+    f32 = lambda *shape: jax.ShapeDtypeStruct((B, H, Q, sp.nsplit) + shape, jnp.float32)  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((B, Q, H, sp.n), jnp.int32), f32(2, mp, D), f32(2, mp), f32(2, mp)]
+    out_specs = [pl.BlockSpec((None, None, None, sp.n), lambda i, j, s: (i // H, j, i % H, 0)),
+                 per_split(2, mp, D), per_split(2, mp), per_split(2, mp)]
+    sel, acc, m, l = pallas(functools.partial(_kernel, sp=sp), grid=(B * H, Q, sp.nsplit), in_specs=specs,
+                            out_specs=out_specs, out_shape=out_shape, args=args, num_warps=num_warps,
+                            num_stages=num_stages, interpret=interpret, name="decode_refresh")
+    o_cmp = combine(acc_a[:, :, :, :na], m_a[:, :, :, :na], l_a[:, :, :, :na], axis=3)[0]  # [B, H, 1, Mp, D]
+    o_sw = combine(acc, m, l, axis=3)[0]  # [B, H, 1, 2, Mp, D]
+    o_slc, o_win = (unrows(o_sw[:, :, :, b], Q, G) for b in range(2))
+    return gate(gates, unrows(o_cmp, Q, G), o_slc, o_win, q.dtype), sel
