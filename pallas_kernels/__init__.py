@@ -19,6 +19,7 @@ from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
 from ._common import gate, poison_outputs
+from .commit_blocks import commit_blocks
 from .compressed import compressed_attention
 from .decode_layer import decode_refresh_layer
 from .decode_layer import supports as _decode_supports
@@ -60,8 +61,9 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
 
 nsa_attention_kernel.reads_layer_views = True  # k, v, kc, vc may be nsa.LayerKV views: read in place from the stack
 nsa_attention_kernel.reads_compressed_views = True
+nsa_attention_kernel.commit_blocks = commit_blocks  # a decode step's compressed-block append (model.forward)
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
-           "compressed_attention", "decode_refresh_layer", "overlap_gamma", "merged_sizes", "synthetic_selection",
+           "compressed_attention", "commit_blocks", "decode_refresh_layer", "overlap_gamma", "merged_sizes", "synthetic_selection",
            "effective_selection",
            "poison_outputs", "MODES"]

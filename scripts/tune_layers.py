@@ -145,7 +145,8 @@ def main(argv=None):
     cfg = get_config("llama31-8b-nsa")
     if a.decode:
         res = dict(benchmark="decode_refresh_layer", preset="llama31-8b-nsa", device=jax.devices()[0].device_kind,
-                   jax=jax.__version__, dtype="bfloat16", rows=decode_sweep(cfg, a.contexts, a.n),
+                   jax=jax.__version__, dtype="bfloat16",
+                   rows=decode_sweep(cfg, a.contexts, a.n),
                    timing="bench_kernels.time_loop: net µs per call, median of 5; cache capacity context + 1024")
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)

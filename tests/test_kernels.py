@@ -15,7 +15,7 @@ import pytest
 
 from ssv_jax import nsa
 from ssv_jax.config import get_config
-from pallas_kernels import (compressed_attention, decode_refresh_layer, effective_selection, grouped_verify, merged_sizes, naive_verify,
+from pallas_kernels import (commit_blocks, compressed_attention, decode_refresh_layer, effective_selection, grouped_verify, merged_sizes, naive_verify,
                             nsa_attention_kernel, overlap_gamma, poison_outputs, refresh_layer, reuse_layer,
                             synthetic_selection)
 from pallas_kernels.grouped_verify import fused_call
@@ -335,6 +335,35 @@ def test_one_query_dispatch_takes_the_decode_layer_on_stacked_views():
     with poison_outputs():
         o, sel = fn(views)
     assert (sel == ref_sel).all() and rel_rms(o, ref_o) <= 1e-5
+
+
+@pytest.mark.parametrize("compression", ["mlp", "mean"])
+def test_commit_blocks_appends_exactly_the_completed_blocks_and_touches_nothing_else(compression):
+    """After one key per row at fresh random positions (some completing a block, some not, one at the cache's
+    end), the in-place commit equals `cache.completed_blocks` scattered at its slots: the completed block is
+    written to its layer and slot, every other element of both compressed stacks keeps its value."""
+    from ssv_jax import cache as kvc
+
+    cfg = CFG.replace(compression=compression)
+    rng = np.random.default_rng()
+    L, B, S2, H, D, l, d = 3, 4, 256, cfg.n_kv_heads, cfg.head_dim, cfg.cmp_len, cfg.cmp_stride
+    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 8)
+    K, V = (jax.random.normal(ks[i], (L, B, S2, H, D)) for i in range(2))
+    KC, VC = (jax.random.normal(ks[2 + i], (L, B, S2 // d, H, D)) for i in range(2))
+    w = (jax.random.normal(ks[4], (H, l, D, D)) / D, jax.random.normal(ks[5], (H, l, D)),
+         jax.random.normal(ks[6], (H, l, D, D)) / D, jax.random.normal(ks[7], (H, l, D))) \
+        if compression == "mlp" else (None,) * 4
+    completing = l - 1 + d * rng.integers(0, (S2 - l) // d + 1, 2)
+    pos = jnp.asarray(np.concatenate([completing, [S2 - 1, l - 1 + d * int(rng.integers(1, 8)) + 1]]), jnp.int32)
+    li = jnp.int32(int(rng.integers(L)))
+    kc, vc = commit_blocks(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, pos, cfg, *w, interpret=True)
+    one = jnp.ones((B,), jnp.int32)
+    slot, ck = kvc.completed_blocks(nsa.LayerKV(K, li), pos, one, 1, cfg, w[0], w[1])
+    _, cv = kvc.completed_blocks(nsa.LayerKV(V, li), pos, one, 1, cfg, w[2], w[3])
+    assert int((slot < S2 // d).sum()) >= 2  # the two completing rows (and the end of the cache) write
+    bidx = jnp.arange(B)[:, None]
+    np.testing.assert_allclose(kc, KC.at[li, bidx, slot].set(ck, mode="drop"), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(vc, VC.at[li, bidx, slot].set(cv, mode="drop"), rtol=1e-5, atol=1e-6)
 
 
 # -- stacked caches read in place ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 from ssv_jax import nsa
 from ssv_jax.config import get_config
 from pallas_kernels import topn
-from pallas_kernels import (compressed_attention, grouped_verify, naive_verify, nsa_attention_kernel,
+from pallas_kernels import (commit_blocks, compressed_attention, grouped_verify, naive_verify, nsa_attention_kernel,
                             refresh_layer, reuse_layer)
 
 CFG = get_config("llama31-8b-nsa")
@@ -99,6 +99,21 @@ def test_a_decode_step_refresh_layer_is_two_launches_routing_inside_the_second(s
     text = lower_for_cuda(lambda a: nsa_attention_kernel(**a, cfg=CFG, group_size=1), args)
     assert text.count(TRITON) == 2 and "decode_refresh" in text
     assert "top_k" not in text.lower()
+
+
+def test_block_commit_lowers_to_one_launch_aliasing_both_compressed_stacks():
+    """The decode step's block commit: one Triton call for K and V, writing the [L, ...] stacks in place."""
+    L, s = 4, 8192 + 256
+    st = lambda n: sds((L, 1, n, H, D))  # noqa: E731
+    w, pe = sds((H, CFG.cmp_len, D, D)), sds((H, CFG.cmp_len, D))
+
+    def fn(k, v, kc, vc, pos, li, w, pe):
+        return commit_blocks(nsa.LayerKV(k, li), nsa.LayerKV(v, li), kc, vc, pos, CFG, w, pe, w, pe)
+
+    text = lower_for_cuda(fn, st(s), st(s), st(s // 16), st(s // 16), sds((1,), jnp.int32), sds((), jnp.int32),
+                          w, pe)
+    assert text.count(TRITON) == 1 and "commit_blocks" in text
+    assert "scatter" not in text and "dynamic_slice" not in text
 
 
 def test_top_n_kernel_lowers_for_cuda_in_one_launch_per_stage():

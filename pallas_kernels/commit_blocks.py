@@ -1,0 +1,108 @@
+"""Decode-step block compression with an early exit (issue #2: the decode step's small ops).
+
+A decode step appends one key per layer, and a compressed block completes only on one step in d (16 for the 8B
+preset). XLA's path (`cache.completed_blocks`) computes the candidate block on every step regardless and
+scatters it out of range when it did not complete: with MLP compression that is a gather, a reduction over
+2 x 8.4 MB of compression weights and a scatter for each of K and V, every layer, every step
+(docs/results/decode_profile_8k_h200.json). Here one launch per layer does it for K and V: each program first
+checks whether its batch row's new key completes a block and otherwise exits; the program that continues
+compresses its share of the block's output features and writes them in place into the compressed cache (the
+caches are aliased inputs and outputs).
+
+phi is `nsa.compress`: mean pooling, or for "mlp" (k + pe) flattened times w [Hkv, l, D, D] per head, in fp32,
+stored in the cache's dtype. Reference: `cache.completed_blocks` and `nsa.compress`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ssv_jax import nsa
+from ssv_jax.config import ModelConfig
+
+from ._common import is_pow2
+
+ROWS_PER_STEP = 4  # block rows (of D features) multiplied per loop step
+
+
+def _kernel(meta_ref, layer_ref, *refs, cfg_l: int, stride: int, mlp: bool, eb: int, n_in: int):
+    ins, outs = refs[:n_in - 2], refs[n_in:]  # between them: the aliased cache inputs, never read
+    k_refs = ins[:2]
+    p_refs = ins[2:] if mlp else ()
+    c = meta_ref[0]  # the block this row's new key completes, or -1
+    li = layer_ref[0]
+    e = pl.program_id(1)
+    d = k_refs[0].shape[-1]
+
+    for kv in range(2):  # keys, then values: one program does both for its (row, head, features)
+        @pl.when(c >= 0)
+        def _(kv=kv):
+            src, out = k_refs[kv], outs[kv]
+            start = c * stride
+            if not mlp:
+                x = src[li, pl.ds(start, cfg_l), pl.ds(e * eb, eb)].astype(jnp.float32)
+                out[li, c, pl.ds(e * eb, eb)] = (jnp.sum(x, axis=0) / cfg_l).astype(out.dtype)
+                return
+            w_ref, pe_ref = p_refs[2 * kv], p_refs[2 * kv + 1]
+            rs = ROWS_PER_STEP
+
+            def body(j, acc):
+                j0 = pl.multiple_of(j * rs, rs)
+                x = (src[li, pl.ds(start + j0, rs), :] + pe_ref[pl.ds(j0, rs), :].astype(src.dtype))
+                w = w_ref[pl.ds(j0 * d, rs * d), :].astype(jnp.float32)  # [rs*D, eb]
+                return acc + jnp.sum(x.astype(jnp.float32).reshape(rs * d)[:, None] * w, axis=0)
+
+            acc = jax.lax.fori_loop(0, cfg_l // rs, body, jnp.zeros((eb,), jnp.float32))
+            out[li, c, pl.ds(e * eb, eb)] = acc.astype(out.dtype)
+
+
+def supports(cfg: ModelConfig, head_dim: int) -> bool:
+    """Block length and head dim powers of two, l a multiple of `ROWS_PER_STEP` (the kernel's tiles)."""
+    return is_pow2(cfg.cmp_len) and cfg.cmp_len % ROWS_PER_STEP == 0 and is_pow2(head_dim) and head_dim >= 16
+
+
+def commit_blocks(k: nsa.LayerKV, v: nsa.LayerKV, kc: jax.Array, vc: jax.Array, pos: jax.Array,
+                  cfg: ModelConfig, wk=None, pek=None, wv=None, pev=None, *, features_per_program: int = 16,
+                  interpret: bool = False, num_warps: int = 4):
+    """After one key per batch row was written at `pos` [B] into layer `k.layer` of the stacks, append the
+    compressed block it completes (if any) to that layer of `kc`/`vc` [L, B, Nc, Hkv, D] in place. w* [Hkv, l,
+    D, D] and pe* [Hkv, l, D] are the layer's MLP compression parameters (None for mean compression). Returns
+    (kc, vc): equal to writing `cache.completed_blocks(k, pos, 1, 1, cfg, w, pe)` at its slots."""
+    L, B, S, H, D = k.stack.shape
+    nc = kc.shape[2]
+    if not supports(cfg, D):
+        raise ValueError(f"commit_blocks needs cmp_len a power of two multiple of {ROWS_PER_STEP} and head_dim a "
+                         f"power of two >= 16; got cmp_len={cfg.cmp_len}, head_dim={D}")
+    mlp = cfg.compression == "mlp"
+    eb = min(features_per_program, D)
+    start = pos.astype(jnp.int32) - cfg.cmp_len + 1  # first key of the block this key would complete
+    done = (start >= 0) & (start % cfg.cmp_stride == 0) & (start // cfg.cmp_stride < nc)
+    meta = jnp.where(done, start // cfg.cmp_stride, -1)[:, None]  # [B, 1]
+    layer = jnp.asarray(k.layer, jnp.int32).reshape(1)
+
+    stack = pl.BlockSpec((L, None, S, None, D), lambda i, e: (0, i // H, 0, i % H, 0))
+    cstack = pl.BlockSpec((L, None, nc, None, D), lambda i, e: (0, i // H, 0, i % H, 0))
+    args = [meta, layer, k.stack, v.stack]
+    specs = [pl.BlockSpec((None, 1), lambda i, e: (i // H, 0)), pl.BlockSpec((1,), lambda i, e: (0,)), stack, stack]
+    if mlp:
+        for w, pe in ((wk, pek), (wv, pev)):
+            args += [w.reshape(H, cfg.cmp_len * D, D), pe]
+            specs += [pl.BlockSpec((None, cfg.cmp_len * D, eb), lambda i, e: (i % H, 0, e)),
+                      pl.BlockSpec((None, cfg.cmp_len, D), lambda i, e: (i % H, 0, 0))]
+    n_in = len(args)
+    args += [kc, vc]
+    specs += [cstack, cstack]
+    kern = functools.partial(_kernel, cfg_l=cfg.cmp_len, stride=cfg.cmp_stride, mlp=mlp, eb=eb, n_in=n_in)
+    return tuple(pl.pallas_call(
+        kern, grid=(B * H, D // eb), in_specs=specs, out_specs=[cstack, cstack],
+        out_shape=[jax.ShapeDtypeStruct(kc.shape, kc.dtype), jax.ShapeDtypeStruct(vc.shape, vc.dtype)],
+        input_output_aliases={n_in: 0, n_in + 1: 1}, interpret=interpret, name="commit_blocks",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))(*args))
+
+
+commit_blocks.supports = supports
