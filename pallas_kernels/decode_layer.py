@@ -7,7 +7,8 @@ kernel. With one query per KV head those glue ops cost more than both kernels to
 
 1. the compressed kernel (split over compressed-block chunks) writes its split states and the masked logits
    (`compressed_launch(emit="logits")`);
-2. `_kernel`, split over the selected and window blocks, first routes: each program LSE-combines the compressed
+2. `_kernel`, split over the window blocks (programs that start at once) and the selected blocks (programs that
+   first route): each routing program LSE-combines the compressed
    splits' (m, l), forms the probabilities exp(s - lse) of the visible blocks tile by tile, pools them into
    selection-block importances (a reshape to [selection block, block within it] and a sum, plus a second load
    shifted by one selection block for the blocks that reach into the next one), sets the forced blocks and
@@ -15,7 +16,8 @@ kernel. With one query per KV head those glue ops cost more than both kernels to
    its share of the selected blocks and of the window blocks (one online-softmax state each);
 3. XLA combines the splits of all three branches and applies the gates.
 
-Every program of a (query, KV head) routes identically (same inputs, same arithmetic); split 0 writes `sel`.
+Every routing program of a (query, KV head) routes identically (same inputs, same arithmetic); the first
+writes `sel`.
 The routing arithmetic differs from the reference's only in summation order, so near-ties of importance may in
 principle route differently; the tests check identical routing on fresh random inputs. Reference: `ssv_jax.nsa`.
 """
@@ -33,7 +35,7 @@ from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
 from ._common import (NEG, cache_arg, cache_refs, check_cache, check_cfg, combine, gate, init_state, layer_arg,
-                      next_pow2, pallas, rows_of, scores, split_count, unrows, update)
+                      next_pow2, pallas, rows_of, scores, unrows, update)
 from .compressed import compressed_launch, compressed_splits
 
 TILE = 256  # compressed blocks per routing tile
@@ -57,7 +59,8 @@ class _Spec:
     nsel: int  # selection blocks of the cache
     slots: int  # compressed-split slots (a power of two >= the compressed launch's splits)
     nwin: int  # window blocks a query can touch
-    nsplit: int
+    nsplit: int  # programs per (query, KV head): window programs first, then selected ones
+    nsplit_w: int  # programs attending window blocks
     kv_stacked: bool
 
     @property
@@ -128,9 +131,13 @@ def _kernel(rows_ref, meta_ref, s_ref, ma_ref, la_ref, k_ref, v_ref, *rest, sp: 
     k_ref, v_ref = cache_refs(layer_ref, (k_ref, sp.kv_stacked), (v_ref, sp.kv_stacked))
     split = pl.program_id(2)
     t, kvlen, nvis, nsa_splits = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
-    sel = _route(sp, s_ref, ma_ref, la_ref, t, nvis, nsa_splits)
+    # programs [0, nsplit_w) attend window blocks, which need no routing; the others route, then attend their
+    # share of the selected blocks
+    slc = split >= sp.nsplit_w
+    sel = jax.lax.cond(slc, lambda: _route(sp, s_ref, ma_ref, la_ref, t, nvis, nsa_splits),
+                       lambda: jnp.full((sp.n,), -1, jnp.int32))
 
-    @pl.when(split == 0)
+    @pl.when(split == sp.nsplit_w)
     def _():
         sel_ref[...] = sel
 
@@ -138,9 +145,11 @@ def _kernel(rows_ref, meta_ref, s_ref, ma_ref, la_ref, k_ref, v_ref, *rest, sp: 
     scale = sp.d ** -0.5
     ar = jax.lax.broadcasted_iota(jnp.int32, (1, sp.ls), 1)
     slot = jax.lax.broadcasted_iota(jnp.int32, (sp.n,), 0)
-    per = -(-(sp.n + sp.nwin) // sp.nsplit)
-    lo = split * per
-    hi = jnp.minimum(sp.n + sp.nwin, lo + per)
+
+    def share(count, parts, index):  # this program's items [lo, hi) of `count` split over `parts` programs
+        per = -(-count // parts)
+        lo = jnp.minimum(index * per, count)
+        return lo, jnp.minimum(count, lo + per)
 
     def attend(st, blk, extra_ok):
         start = pl.multiple_of(blk * sp.ls, sp.ls)
@@ -155,12 +164,14 @@ def _kernel(rows_ref, meta_ref, s_ref, ma_ref, la_ref, k_ref, v_ref, *rest, sp: 
     cur = t // sp.ls
     w0 = jnp.maximum(t - sp.window + 1, 0) // sp.ls
 
-    def win_body(e, st):  # window block w0 + e - n (past the current block: masked)
-        blk = w0 + e - sp.n
+    def win_body(e, st):  # window block w0 + e (past the current block: masked)
+        blk = w0 + e
         return attend(st, jnp.minimum(blk, cur), lambda pos: (blk <= cur) & (pos > t - sp.window))
 
-    st_s = jax.lax.fori_loop(jnp.minimum(lo, sp.n), jnp.minimum(hi, sp.n), slc_body, init_state(sp.mp, sp.d))
-    st_w = jax.lax.fori_loop(jnp.maximum(lo, sp.n), jnp.maximum(hi, sp.n), win_body, init_state(sp.mp, sp.d))
+    lo, hi = share(sp.n, sp.nsplit - sp.nsplit_w, split - sp.nsplit_w)
+    st_s = jax.lax.fori_loop(jnp.where(slc, lo, 0), jnp.where(slc, hi, 0), slc_body, init_state(sp.mp, sp.d))
+    lo, hi = share(sp.nwin, sp.nsplit_w, split)
+    st_w = jax.lax.fori_loop(jnp.where(slc, 0, lo), jnp.where(slc, 0, hi), win_body, init_state(sp.mp, sp.d))
     for b, (acc, m, l) in enumerate((st_s, st_w)):
         acc_ref[b] = acc
         m_ref[b] = m
@@ -176,12 +187,14 @@ def supports(cfg: ModelConfig, q_shape, k_shape, extra, sel) -> bool:
             and r & (r - 1) == 0 and cfg.cmp_len <= cfg.slc_block)
 
 
-def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, *, nsplit: int | None = None,
-                         cmp_nsplit: int | None = None, interpret: bool = False, num_warps: int = 2,
+def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, *,
+                         per_program: tuple[int, int] = (3, 2), cmp_nsplit: int | None = None,
+                         interpret: bool = False, num_warps: int = 2,
                          num_stages: int = 2):
     """Refresh-layer NSA attention for one query per batch row (decode), as `nsa.nsa_attention(sel=None)` with
     no extras: returns (o [B, 1, Hq, D] in q's dtype, sel [B, 1, Hkv, n]). k, v, kc, vc may be `nsa.LayerKV`
-    views. `nsplit` splits the selected + window blocks over programs, `cmp_nsplit` the compressed blocks."""
+    views. `per_program` = (window blocks, selected blocks) each program of the second launch attends: window
+    programs start at once, selected ones after routing. `cmp_nsplit` splits the compressed blocks."""
     B, Q, Hq, D = q.shape
     H = k.shape[2]
     G = Hq // H
@@ -203,11 +216,15 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
                                                 interpret=interpret, emit="logits",
                                                 logits_width=nt * ts + r, logits_offset=r, split_slots=slots)
     nwin = -(-(cfg.window - 1) // cfg.slc_block) + 1
-    if nsplit is None:
-        nsplit = split_count(B * H, cfg.n_slc + nwin, max_split=8, waves=1)
+    if not (len(per_program) == 2 and all(isinstance(x, int) and x >= 1 for x in per_program)):
+        raise ValueError(f"per_program={per_program!r} is invalid; accepted: (window blocks, selected blocks) per "
+                         "program, two ints >= 1")
+    per_w, per_s = per_program
+    nsplit_w, nsplit_s = -(-nwin // per_w), -(-cfg.n_slc // per_s)
     sp = _Spec(g=G, gp=next_pow2(G, minimum=1), mp=mp, d=D, n=cfg.n_slc, ls=cfg.slc_block, window=cfg.window, cmp_len=cfg.cmp_len,
                cmp_stride=cfg.cmp_stride, ts=ts, nt=nt, ntp=next_pow2(nt, minimum=1), nsel=k.shape[1] // cfg.slc_block,
-               slots=slots, nwin=nwin, nsplit=int(nsplit), kv_stacked=isinstance(k, nsa.LayerKV))
+               slots=slots, nwin=nwin, nsplit=nsplit_w + nsplit_s, nsplit_w=nsplit_w,
+               kv_stacked=isinstance(k, nsa.LayerKV))
 
     t = q_pos[:, 0].astype(jnp.int32)
     kl = kv_len.astype(jnp.int32)

@@ -85,6 +85,26 @@ def main(argv=None):
         return kvc.KVCache(full.k[:, :, :c], full.v[:, :, :c], full.kc[:, :, :c // d], full.vc[:, :, :c // d],
                            length)
 
+    def save():
+        stats = dev.memory_stats() or {}
+        weight_bytes = cfg.param_count() * 2
+        res = dict(
+            benchmark="ar_nsa_decode", preset=a.preset, device=dev.device_kind, jax=jax.__version__,
+            host=platform.node(), dtype="bfloat16", batch=1, schedule=a.schedule, decode_attention=a.backend,
+            weights_layout="per-layer buffers, fused q/k/v/gate and gate/up (model.split_layers)" if a.split_weights else "stacked [L, ...]",
+            prefill=None if a.random_cache else dict(tokens=max_ctx, chunk=a.prefill_chunk, seconds_total=prefill_s),
+            cache=("random K/V" if a.random_cache else f"chunked prefill of {max_ctx} random tokens") + (
+                ", decoded at each context in the full-size cache" if a.shared_cache else
+                ", cut to each context in a cache sized for it plus the decode steps (what ar_generate allocates)"),
+            decode=rows, peak_memory_gb=stats.get("peak_bytes_in_use", 0) / 1e9,
+            weights_gb=weight_bytes / 1e9, weight_read_floor_ms=weight_bytes / 4.3e12 * 1e3,
+            timing="decode_steps greedy steps inside one jitted lax.while_loop after a same-shape warm-up; "
+                   "host wall clock around the call / steps",
+        )
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+        return res
+
     rows = []
     for ctx in sorted(a.contexts):
         cache = jax.tree.map(jnp.copy, at_context(ctx)) if a.shared_cache else at_context(ctx)
@@ -103,25 +123,9 @@ def main(argv=None):
         rows.append(dict(context=ctx, cache_capacity=cache.capacity, cache_length_at_end=int(cache.length[0]),
                          decode_ms_per_token=ms, steps=int(n)))
         print(f"decode at {ctx} (capacity {cache.capacity}): {ms:.3f} ms/token", flush=True)
+        save()
         del cache
-    stats = dev.memory_stats() or {}
-    weight_bytes = cfg.param_count() * 2
-    res = dict(
-        benchmark="ar_nsa_decode", preset=a.preset, device=dev.device_kind, jax=jax.__version__,
-        host=platform.node(), dtype="bfloat16", batch=1, schedule=a.schedule, decode_attention=a.backend,
-        weights_layout="per-layer buffers, fused q/k/v/gate and gate/up (model.split_layers)" if a.split_weights else "stacked [L, ...]",
-        prefill=None if a.random_cache else dict(tokens=max_ctx, chunk=a.prefill_chunk, seconds_total=prefill_s),
-        cache=("random K/V" if a.random_cache else f"chunked prefill of {max_ctx} random tokens") + (
-            ", decoded at each context in the full-size cache" if a.shared_cache else
-            ", cut to each context in a cache sized for it plus the decode steps (what ar_generate allocates)"),
-        decode=rows, peak_memory_gb=stats.get("peak_bytes_in_use", 0) / 1e9,
-        weights_gb=weight_bytes / 1e9, weight_read_floor_ms=weight_bytes / 4.3e12 * 1e3,
-        timing="decode_steps greedy steps inside one jitted lax.while_loop after a same-shape warm-up; "
-               "host wall clock around the call / steps",
-    )
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
+    print(json.dumps(save(), indent=2))
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ def routing_sweep(cfg, contexts, queries, n: int) -> list:
     return rows
 
 
-def decode_sweep(cfg, contexts, n: int, variants=((None, None, 4), (None, None, 1), (None, None, 2), (4, None, 2),
-                                                   (8, None, 2), (4, None, 1))) -> list:
+def decode_sweep(cfg, contexts, n: int, variants=(((3, 2), None, 2), ((3, 2), None, 4), ((5, 1), None, 2),
+                                                   ((9, 4), None, 2), ((2, 1), None, 2))) -> list:
     """A decode step's refresh layer, generic path vs `decode_refresh_layer` (rows: context, variant, µs), with
     the two paths' selections compared and their outputs' relative RMS difference on the timed inputs."""
     rows = []
@@ -116,12 +116,13 @@ def decode_sweep(cfg, contexts, n: int, variants=((None, None, 4), (None, None, 
         print(json.dumps(row), flush=True)
         for ns, cs, nw in variants:
             def fn(q, s, t, g, k, v, kc, vc, kl, ns=ns, cs=cs, nw=nw):
-                return decode_refresh_layer(q, t, g, k, v, kc, vc, kl, cfg, nsplit=ns, cmp_nsplit=cs, num_warps=nw)
+                return decode_refresh_layer(q, t, g, k, v, kc, vc, kl, cfg, per_program=ns, cmp_nsplit=cs,
+                                            num_warps=nw)
 
             o, sel = jax.jit(lambda *a: fn(a[0], None, *a[1:]))(p.q[0], p.q_pos[0], p.gates[0], *static)
             diff = jnp.sqrt(jnp.mean((o.astype(jnp.float32) - o_ref.astype(jnp.float32)) ** 2)
                             / jnp.mean(o_ref.astype(jnp.float32) ** 2))
-            row = dict(context=T, capacity=p.S, variant=f"decode_nsplit{ns}_cmp{cs}_warps{nw}",
+            row = dict(context=T, capacity=p.S, variant=f"decode_per_program{ns[0]}x{ns[1]}_cmp{cs}_warps{nw}",
                        same_selection=bool((sel == s_ref).all()), rel_rms_vs_generic=float(diff),
                        us=round(time_loop(fn, static, rot, n=n)[0], 2))
             rows.append(row)

@@ -308,7 +308,8 @@ def test_decode_refresh_layer_equals_nsa_attention_and_routes_identically(dtype)
     v = jax.random.normal(ks[1], (B, S2, H, D), dtype)
     kc, vc = nsa.compress_all(k, CFG), nsa.compress_all(v, CFG)
     f = jax.jit(lambda q, qp, g, kl: decode_refresh_layer(q, qp, g, k, v, kc, vc, kl, CFG, interpret=True,
-                                                          nsplit=int(rng.integers(1, 5)), cmp_nsplit=3))
+                                                          per_program=tuple(int(x) for x in rng.integers(1, 6, 2)),
+                                                          cmp_nsplit=3))
     tile_edge = 2048 + CFG.cmp_len - 1  # the last block of the first tile completes here and spills over
     for lengths in ([1, 2 + int(rng.integers(60))], [tile_edge, S2], list(rng.integers(1, S2 + 1, B))):
         kv_len = jnp.asarray(lengths, jnp.int32)
