@@ -50,7 +50,7 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
         o_slc, o_win = selected_and_window(q, q_pos, k, v, kv_len, sel, cfg, extra, mode="naive",
                                            interpret=interpret)
         return gate(gates, o_cmp, o_slc, o_win, q.dtype), sel
-    if _decode_supports(cfg, q.shape, k.shape, extra, sel):  # one query: routing inside the attention kernel
+    if _decode_supports(cfg, q.shape, extra, sel):  # one query: routing inside the attention kernel
         return decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg, interpret=interpret)
     if sel is None:
         return refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg, extra, mode=mode, group_size=group_size,
@@ -64,6 +64,5 @@ nsa_attention_kernel.reads_compressed_views = True
 nsa_attention_kernel.commit_blocks = commit_blocks  # a decode step's compressed-block append (model.forward)
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
-           "compressed_attention", "commit_blocks", "decode_refresh_layer", "overlap_gamma", "merged_sizes", "synthetic_selection",
-           "effective_selection",
-           "poison_outputs", "MODES"]
+           "compressed_attention", "commit_blocks", "decode_refresh_layer", "overlap_gamma", "merged_sizes",
+           "synthetic_selection", "effective_selection", "poison_outputs", "MODES"]

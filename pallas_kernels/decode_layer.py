@@ -6,20 +6,20 @@ kernel. With one query per KV head those glue ops cost more than both kernels to
 (docs/results/decode_profile_8k_h200.json). Here the layer is two launches and one XLA combine:
 
 1. the compressed kernel (split over compressed-block chunks) writes its split states and the masked logits
-   (`compressed_launch(emit="logits")`);
-2. `_kernel`, split over the window blocks (programs that start at once) and the selected blocks (programs that
-   first route): each routing program LSE-combines the compressed
-   splits' (m, l), forms the probabilities exp(s - lse) of the visible blocks tile by tile, pools them into
-   selection-block importances (a reshape to [selection block, block within it] and a sum, plus a second load
-   shifted by one selection block for the blocks that reach into the next one), sets the forced blocks and
-   candidates as `nsa.route` does, and runs n rounds of (max, first index at the max, retire). It then attends
-   its share of the selected blocks and of the window blocks (one online-softmax state each);
+   (`compressed_launch(emit="logits")`, shifted right by one selection block's worth of columns);
+2. `_kernel` runs two kinds of programs per (query, KV head). Window programs attend their share of the window
+   blocks at once. Selected programs first route (`_route`): they LSE-combine the compressed splits' (m, l),
+   form the probabilities exp(s - lse) of the visible blocks tile by tile, pool them into selection-block
+   importances (a reshape to [selection block, block within it] and a sum, plus a second load one selection
+   block to the left for the blocks that reach into the next one), set the forced blocks and candidates as
+   `nsa.route` does, and run n rounds of (max, first index at the max, retire); then they attend their share
+   of the selected blocks;
 3. XLA combines the splits of all three branches and applies the gates.
 
-Every routing program of a (query, KV head) routes identically (same inputs, same arithmetic); the first
-writes `sel`.
-The routing arithmetic differs from the reference's only in summation order, so near-ties of importance may in
-principle route differently; the tests check identical routing on fresh random inputs. Reference: `ssv_jax.nsa`.
+Every selected program of a (query, KV head) routes identically (same inputs, same arithmetic); the first writes
+`sel`. The routing arithmetic differs from the reference's only in summation order, so near-ties of importance
+may in principle route differently; the tests check identical routing on fresh random inputs. Reference:
+`ssv_jax.nsa`.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def _kernel(rows_ref, meta_ref, s_ref, ma_ref, la_ref, k_ref, v_ref, *rest, sp: 
         l_ref[b] = l
 
 
-def supports(cfg: ModelConfig, q_shape, k_shape, extra, sel) -> bool:
+def supports(cfg: ModelConfig, q_shape, extra, sel) -> bool:
     """Whether `decode_refresh_layer` serves this call: one query per batch row, no in-flight keys, routing to
     do, selection blocks that are a power-of-two number of compressed strides, and compressed blocks no longer
     than a selection block (so a block meets at most the next selection block)."""
@@ -189,8 +189,7 @@ def supports(cfg: ModelConfig, q_shape, k_shape, extra, sel) -> bool:
 
 def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, *,
                          per_program: tuple[int, int] = (3, 2), cmp_nsplit: int | None = None,
-                         interpret: bool = False, num_warps: int = 2,
-                         num_stages: int = 2):
+                         interpret: bool = False, num_warps: int = 2, num_stages: int = 2):
     """Refresh-layer NSA attention for one query per batch row (decode), as `nsa.nsa_attention(sel=None)` with
     no extras: returns (o [B, 1, Hq, D] in q's dtype, sel [B, 1, Hkv, n]). k, v, kc, vc may be `nsa.LayerKV`
     views. `per_program` = (window blocks, selected blocks) each program of the second launch attends: window
@@ -198,10 +197,10 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
     B, Q, Hq, D = q.shape
     H = k.shape[2]
     G = Hq // H
-    if not supports(cfg, q.shape, k.shape, None, None):
-        raise ValueError(f"decode_refresh_layer serves one query per row (got Q={Q}) with slc_block/cmp_stride "
-                         f"a power of two (got {cfg.slc_block}/{cfg.cmp_stride}) and cmp_len <= slc_block "
-                         f"(got {cfg.cmp_len})")
+    if not supports(cfg, q.shape, None, None):
+        raise ValueError(f"decode_refresh_layer serves one query per row (got Q={Q}; accepted: 1), with "
+                         f"slc_block/cmp_stride a power of two (got {cfg.slc_block}/{cfg.cmp_stride}) and "
+                         f"cmp_len <= slc_block (got {cfg.cmp_len})")
     check_cfg(cfg, D)
     check_cache(k, v, kc, cfg)
     mp = next_pow2(G)
@@ -221,10 +220,10 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
                          "program, two ints >= 1")
     per_w, per_s = per_program
     nsplit_w, nsplit_s = -(-nwin // per_w), -(-cfg.n_slc // per_s)
-    sp = _Spec(g=G, gp=next_pow2(G, minimum=1), mp=mp, d=D, n=cfg.n_slc, ls=cfg.slc_block, window=cfg.window, cmp_len=cfg.cmp_len,
-               cmp_stride=cfg.cmp_stride, ts=ts, nt=nt, ntp=next_pow2(nt, minimum=1), nsel=k.shape[1] // cfg.slc_block,
-               slots=slots, nwin=nwin, nsplit=nsplit_w + nsplit_s, nsplit_w=nsplit_w,
-               kv_stacked=isinstance(k, nsa.LayerKV))
+    sp = _Spec(g=G, gp=next_pow2(G, minimum=1), mp=mp, d=D, n=cfg.n_slc, ls=cfg.slc_block, window=cfg.window,
+               cmp_len=cfg.cmp_len, cmp_stride=cfg.cmp_stride, ts=ts, nt=nt, ntp=next_pow2(nt, minimum=1),
+               nsel=k.shape[1] // cfg.slc_block, slots=slots, nwin=nwin, nsplit=nsplit_w + nsplit_s,
+               nsplit_w=nsplit_w, kv_stacked=isinstance(k, nsa.LayerKV))
 
     t = q_pos[:, 0].astype(jnp.int32)
     kl = kv_len.astype(jnp.int32)

@@ -91,7 +91,8 @@ def main(argv=None):
         res = dict(
             benchmark="ar_nsa_decode", preset=a.preset, device=dev.device_kind, jax=jax.__version__,
             host=platform.node(), dtype="bfloat16", batch=1, schedule=a.schedule, decode_attention=a.backend,
-            weights_layout="per-layer buffers, fused q/k/v/gate and gate/up (model.split_layers)" if a.split_weights else "stacked [L, ...]",
+            weights_layout=("per-layer buffers, fused q/k/v/gate and gate/up (model.split_layers)" if a.split_weights
+                            else "stacked [L, ...]"),
             prefill=None if a.random_cache else dict(tokens=max_ctx, chunk=a.prefill_chunk, seconds_total=prefill_s),
             cache=("random K/V" if a.random_cache else f"chunked prefill of {max_ctx} random tokens") + (
                 ", decoded at each context in the full-size cache" if a.shared_cache else

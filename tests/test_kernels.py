@@ -322,6 +322,16 @@ def test_decode_refresh_layer_equals_nsa_attention_and_routes_identically(dtype)
         assert o.dtype == dtype and rel_rms(o, ref_o) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("kw,needle", [(dict(per_program=(0, 2)), "per_program"), (dict(queries=2), "one query")])
+def test_decode_refresh_layer_rejects_bad_calls_naming_the_value(kw, needle):
+    a, _ = make_inputs(17, with_extra=False)
+    Qn = kw.pop("queries", 1)
+    a.update(q=a["q"][:, :Qn], q_pos=a["q_pos"][:, :Qn], gates=a["gates"][:, :Qn])
+    a.pop("extra")
+    with pytest.raises(ValueError, match=needle):
+        decode_refresh_layer(**a, cfg=CFG, interpret=True, **kw)
+
+
 def test_one_query_dispatch_takes_the_decode_layer_on_stacked_views():
     """`nsa_attention_kernel` with one query and no `sel` runs the decode layer; on `nsa.LayerKV` views of
     stacked caches it equals the sliced layer's reference."""
