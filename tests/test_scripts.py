@@ -46,6 +46,27 @@ def test_schedule_decode_bench_reports_each_period_against_the_plain_loop(tmp_pa
     assert all(r["decode_ms_per_token"] > 0 and r["first_call_s"] > 0 for r in res["rows"])
 
 
+def test_ar_bench_decodes_each_context_in_a_cache_sized_for_it(tmp_path):
+    """One prefill of the longest context; each context decodes from its first tokens in a fitted cache (or, with
+    --shared-cache, in the full one), and the JSON records the capacity and the steps of every row."""
+    from ssv_jax import cache as kvc
+    from ssv_jax.config import get_config
+
+    cfg = get_config("tiny")
+    for shared in (False, True):
+        out = tmp_path / f"ar{shared}.json"
+        _script("bench_ar").main(["--preset", "tiny", "--contexts", "64", "200", "--decode-steps", "3",
+                                  "--prefill-chunk", "64", "--split-weights", "--out", str(out)]
+                                 + (["--shared-cache"] if shared else []))
+        res = json.loads(out.read_text())
+        assert res["prefill"]["tokens"] == 200 and ("full-size" in res["cache"]) == shared
+        caps = [r["cache_capacity"] for r in res["decode"]]
+        full = kvc.cache_capacity(cfg, 200 + 64 + 4 * 3 + 64)
+        assert caps == ([full, full] if shared else [kvc.cache_capacity(cfg, c + 4 * 3 + 64) for c in (64, 200)])
+        assert [r["cache_length_at_end"] for r in res["decode"]] == [64 + 6, 200 + 6]  # warm-up + timed call
+        assert all(r["decode_ms_per_token"] > 0 and r["steps"] == 3 for r in res["decode"])
+
+
 def test_e2e_bench_clamps_contexts_and_splits_the_fixed_policys_round(tmp_path, capsys):
     """Contexts beyond the model run at the longest it handles. The round split of the fixed policy (schedule
     P=2: RURU) has one row for the context: finite parts that sum to the round, the schedule's refresh count, and
