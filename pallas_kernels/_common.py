@@ -204,6 +204,13 @@ def cache_refs(layer_ref, *refs_and_flags):
     return [CacheRef(r, layer if stacked else None) for r, stacked in refs_and_flags]
 
 
+def reduce_all(x, op):
+    """`op` over every axis, one at a time (the Triton lowering's reductions take one axis)."""
+    while x.ndim:
+        x = op(x, axis=-1)
+    return x
+
+
 # -- in-kernel online softmax ------------------------------------------------------------------------------------
 def init_state(mp: int, d: int):
     """(acc [Mp, D], m [Mp], l [Mp]) of an empty online softmax."""

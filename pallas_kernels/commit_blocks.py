@@ -10,7 +10,7 @@ compresses its share of the block's output features and writes them in place int
 caches are aliased inputs and outputs).
 
 phi is `nsa.compress`: mean pooling, or for "mlp" (k + pe) flattened times w [Hkv, l, D, D] per head, in fp32,
-stored in the cache's dtype. Reference: `cache.completed_blocks` and `nsa.compress`.
+stored in the cache's dtype. Reference: `cache.append_blocks` (one new key per row).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def commit_blocks(k: nsa.LayerKV, v: nsa.LayerKV, kc: jax.Array, vc: jax.Array, 
     """After one key per batch row was written at `pos` [B] into layer `k.layer` of the stacks, append the
     compressed block it completes (if any) to that layer of `kc`/`vc` [L, B, Nc, Hkv, D] in place. w* [Hkv, l,
     D, D] and pe* [Hkv, l, D] are the layer's MLP compression parameters (None for mean compression). Returns
-    (kc, vc): equal to writing `cache.completed_blocks(k, pos, 1, 1, cfg, w, pe)` at its slots."""
+    (kc, vc), as `cache.append_blocks`."""
     L, B, S, H, D = k.stack.shape
     nc = kc.shape[2]
     if not supports(cfg, D):

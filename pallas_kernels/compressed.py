@@ -187,7 +187,6 @@ def compressed_attention(q, q_pos, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.
     G = Hq // H
     ct = _query_tile(Q, G)
     qt, mp = Q // ct, next_pow2(ct * G)
-    cb = dividing_chunk(kc.shape[1], "number of compressed blocks Nc")
     outs = compressed_launch(rows_of(q, H, ct, mp), q_pos, kc, vc, kv_len, cfg, extra, ct=ct, g=G, nsplit=nsplit,
                              interpret=interpret, num_warps=num_warps, num_stages=num_stages,
                              emit="probs" if probs else None)
@@ -196,6 +195,7 @@ def compressed_attention(q, q_pos, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.
     if not probs:
         return o_cmp, None, None
     u, mc = outs[3:5]
+    cb = u.shape[-1] // mc.shape[-2]  # compressed blocks per chunk of the kernel's running max
     lse = jnp.where(lt > 0, mt + jnp.log(jnp.where(lt > 0, lt, 1.0)), jnp.inf)[..., None]  # p = 0 where no key
 
     def probs(u, m):  # rows [B, H, QT, Mp, K] -> [B, Q, H, G, K]
@@ -206,8 +206,7 @@ def compressed_attention(q, q_pos, kc, vc, kv_len, cfg: ModelConfig, extra: nsa.
 
     p = probs(u, jnp.repeat(jnp.swapaxes(mc, -1, -2), cb, axis=-1))
     px = None
-    if extra is not None:
-        has_x = extra.ck.shape[1] > 0
-        px = probs(outs[5][:, :, :, 0], outs[6][:, :, :, 0][..., None])[..., : extra.ck.shape[1]] if has_x \
-            else jnp.zeros((B, Q, H, G, 0), jnp.float32)
+    if extra is not None:  # the per-path blocks' outputs follow when there are any
+        px = (probs(outs[5][:, :, :, 0], outs[6][:, :, :, 0][..., None])[..., : extra.ck.shape[1]] if len(outs) > 5
+              else jnp.zeros((B, Q, H, G, 0), jnp.float32))
     return o_cmp, p, px

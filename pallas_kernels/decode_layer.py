@@ -35,7 +35,7 @@ from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
 from ._common import (NEG, cache_arg, cache_refs, check_cache, check_cfg, combine, gate, init_state, layer_arg,
-                      next_pow2, pallas, rows_of, scores, unrows, update)
+                      next_pow2, pallas, reduce_all, rows_of, scores, unrows, update)
 from .compressed import compressed_launch, compressed_splits
 
 TILE = 256  # compressed blocks per routing tile
@@ -66,13 +66,6 @@ class _Spec:
     @property
     def sbt(self) -> int:  # selection blocks per routing tile
         return self.ts * self.cmp_stride // self.ls
-
-
-def _all(x, op):
-    """`op` over every axis (the Triton lowering reduces one axis at a time)."""
-    while x.ndim:
-        x = op(x, axis=-1)
-    return x
 
 
 def _route(sp: _Spec, s_ref, ma_ref, la_ref, t, nvis, nsa_splits):
@@ -158,7 +151,7 @@ def _kernel(rows_ref, meta_ref, s_ref, ma_ref, la_ref, k_ref, v_ref, *rest, sp: 
         return update(st, scores(q, k_ref.rows(start, sp.ls), scale), valid, v_ref.rows(start, sp.ls))[0]
 
     def slc_body(e, st):  # selected entry e (-1: empty)
-        blk = _all(jnp.where(slot == e, sel, 0), jnp.sum)
+        blk = reduce_all(jnp.where(slot == e, sel, 0), jnp.sum)
         return attend(st, jnp.maximum(blk, 0), lambda pos: jnp.broadcast_to(blk >= 0, pos.shape))
 
     cur = t // sp.ls

@@ -31,8 +31,8 @@ from ssv_jax.config import ModelConfig
 
 from . import groups
 from ._common import (DIRECT_IO, cache_arg, cache_refs, check_cache, check_cfg, check_group_size, check_sel,
-                      combine, dividing_chunk, finish, init_state, layer_arg, next_pow2, pallas, rows_of, scores,
-                      split_count, unrows, update)
+                      combine, dividing_chunk, finish, init_state, layer_arg, next_pow2, pallas, reduce_all, rows_of,
+                      scores, split_count, unrows, update)
 
 
 WALKS = ("skip", "mask")
@@ -68,22 +68,10 @@ class _Spec:
         return self.d ** -0.5
 
 
-def _reduce_all(x, op):
-    """`op` over every axis, one at a time (the Triton lowering's reductions take one axis)."""
-    while x.ndim:
-        x = op(x, axis=-1)
-    return x
-
-
 def _any(x, axis=None):
     """Boolean any as an int max (axis=None: over every axis)."""
     y = jnp.where(x, 1, 0)
-    return (_reduce_all(y, jnp.max) if axis is None else jnp.max(y, axis=axis)) > 0
-
-
-def _sum_all(x):
-    """Sum of every element."""
-    return _reduce_all(x, jnp.sum)
+    return (reduce_all(y, jnp.max) if axis is None else jnp.max(y, axis=axis)) > 0
 
 
 def _kernel(*refs, sp: _Spec):
@@ -160,7 +148,7 @@ def _kernel(*refs, sp: _Spec):
         def slc_body(e, st):
             if sp.walk == "mask":  # branch-free: a repeated or empty entry loads a block and masks every row,
                 # and the id comes from the tile in registers, so the loop has no dependent scalar load
-                blk = _sum_all(jnp.where(flat == e, selt, 0))
+                blk = reduce_all(jnp.where(flat == e, selt, 0), jnp.sum)
                 dup = (blk < 0) | _any((selt == blk) & (flat < e))
                 return visit(jnp.maximum(blk, 0), dup, st)
             blk = sel_ref[e // sp.n, e % sp.n]

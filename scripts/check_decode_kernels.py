@@ -39,16 +39,12 @@ def commit_check(cfg, S: int) -> list:
     li = jnp.int32(2)
     run = jax.jit(lambda k, v, kc, vc, pos: commit_blocks(nsa.LayerKV(k, li), nsa.LayerKV(v, li), kc, vc, pos, cfg,
                                                           *w[0], *w[1]))
-    one = jnp.ones((1,), jnp.int32)
     rows = []
     for p in (S - 1024 + l - 1, S - 1024 + l, S - 1024 + l + cfg.cmp_stride - 1):
         pos = jnp.array([p], jnp.int32)
         kc, vc = run(K, V, KC, VC, pos)
-        slot, ck = kvc.completed_blocks(nsa.LayerKV(K, li), pos, one, 1, cfg, *w[0])
-        _, cv = kvc.completed_blocks(nsa.LayerKV(V, li), pos, one, 1, cfg, *w[1])
-        z = jnp.zeros((1, 1), jnp.int32)
-        ref_k = KC.at[li, z, slot].set(ck, mode="drop")
-        ref_v = VC.at[li, z, slot].set(cv, mode="drop")
+        slot, _ = kvc.completed_blocks(nsa.LayerKV(K, li), pos, jnp.ones((1,), jnp.int32), 1, cfg, *w[0])
+        ref_k, ref_v = kvc.append_blocks(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, pos, cfg, *w[0], *w[1])
         changed = np.nonzero(np.asarray(jnp.any(kc != KC, axis=(1, 3, 4))))
         rows.append(dict(position=int(p), expected_slot=int(slot[0, 0]) if int(slot[0, 0]) < KC.shape[2] else None,
                          changed_layer_slot_pairs=[[int(a), int(b)] for a, b in zip(*changed)],

@@ -92,3 +92,17 @@ def completed_blocks(k: jax.Array, start: jax.Array, n_new: jax.Array, max_new: 
     blocks = nsa.gather_rows(k, pos)  # [B, K, l, Hkv, D]
     new = nsa.compress(blocks, cfg, w, pe)
     return jnp.where(ok, c, nc), new
+
+
+def append_blocks(k: nsa.LayerKV, v: nsa.LayerKV, kc: jax.Array, vc: jax.Array, start: jax.Array, cfg: ModelConfig,
+                  wk=None, pek=None, wv=None, pev=None, *, n_new: jax.Array | None = None, max_new: int = 1):
+    """After `n_new` [B] (default 1) keys per row were written at `start` [B] into layer `k.layer` of the K/V
+    stacks, write the compressed blocks they complete into that layer of `kc`/`vc` [L, B, Nc, Hkv, D]
+    (`completed_blocks` for K and V, scattered at their slots). Returns (kc, vc). `pallas_kernels.commit_blocks`
+    is the one-key kernel of the same contract."""
+    n_new = jnp.ones_like(start) if n_new is None else n_new
+    bidx = jnp.arange(start.shape[0])[:, None]
+    slot, ck = completed_blocks(k, start, n_new, max_new, cfg, wk, pek)
+    _, cv = completed_blocks(v, start, n_new, max_new, cfg, wv, pev)
+    return (kc.at[k.layer, bidx, slot].set(ck.astype(kc.dtype), mode="drop"),
+            vc.at[v.layer, bidx, slot].set(cv.astype(vc.dtype), mode="drop"))

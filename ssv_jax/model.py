@@ -341,8 +341,9 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
     ensure length + Q <= capacity (see `prefill`). Returns (logits [B, Q, V] f32, feats [B, Q, 3H], cache)."""
     B, Q = tokens.shape
     flags = sched.parse(schedule, cfg.n_layers)
-    commit = _block_commit(attn, cfg) if (Q == 1 and n_valid is None) else None
+    kernel_commit = _block_commit(attn, cfg) if (Q == 1 and n_valid is None) else None
     n_valid = jnp.full((B,), Q, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+    commit = kernel_commit or partial(kvc.append_blocks, n_new=n_valid, max_new=Q)  # compressed-block append
     start = cache.length
     pos = start[:, None] + jnp.arange(Q, dtype=jnp.int32)[None, :]
     ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
@@ -357,13 +358,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
         V = V.at[li, bidx, pos].set(v.astype(V.dtype), mode="drop")
         (wk, pek), (wv, pev) = _cmp_params(lp, cfg)
         Kl, Vl = _layer_view(K, li, attn), _layer_view(V, li, attn)
-        if commit is not None:  # decode: the attention's own in-place block commit
-            KC, VC = commit(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, start, cfg, wk, pek, wv, pev)
-        else:
-            slot, ck = kvc.completed_blocks(nsa.LayerKV(K, li), start, n_valid, Q, cfg, wk, pek)
-            _, cv = kvc.completed_blocks(nsa.LayerKV(V, li), start, n_valid, Q, cfg, wv, pev)
-            KC = KC.at[li, bidx, slot].set(ck.astype(KC.dtype), mode="drop")
-            VC = VC.at[li, bidx, slot].set(cv.astype(VC.dtype), mode="drop")
+        KC, VC = commit(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, start, cfg, wk, pek, wv, pev)
         o, sel = _chunked_attn(ctx, q_chunk, q, g, Kl, Vl, _cmp_view(KC, li, attn), _cmp_view(VC, li, attn), kv_len,
                                None if refresh else sel)
         return (_finish(lp, ctx, x, o), K, V, KC, VC, sel), x

@@ -15,9 +15,9 @@ import pytest
 
 from ssv_jax import nsa
 from ssv_jax.config import get_config
-from pallas_kernels import (commit_blocks, compressed_attention, decode_refresh_layer, effective_selection, grouped_verify, merged_sizes, naive_verify,
-                            nsa_attention_kernel, overlap_gamma, poison_outputs, refresh_layer, reuse_layer,
-                            synthetic_selection)
+from pallas_kernels import (commit_blocks, compressed_attention, decode_refresh_layer, effective_selection,
+                            grouped_verify, merged_sizes, naive_verify, nsa_attention_kernel, overlap_gamma,
+                            poison_outputs, refresh_layer, reuse_layer, synthetic_selection)
 from pallas_kernels.grouped_verify import fused_call
 from pallas_kernels.groups import merged_blocks, shared_selection
 from pallas_kernels import topn
@@ -351,8 +351,9 @@ def test_one_query_dispatch_takes_the_decode_layer_on_stacked_views():
 @pytest.mark.parametrize("compression", ["mlp", "mean"])
 def test_commit_blocks_appends_exactly_the_completed_blocks_and_touches_nothing_else(compression):
     """After one key per row at fresh random positions (some completing a block, some not, one at the cache's
-    end), the in-place commit equals `cache.completed_blocks` scattered at its slots: the completed block is
-    written to its layer and slot, every other element of both compressed stacks keeps its value."""
+    end), the in-place commit equals `cache.append_blocks` (`completed_blocks` scattered at its slots): the
+    completed block is written to its layer and slot, every other element of both compressed stacks keeps its
+    value."""
     from ssv_jax import cache as kvc
 
     cfg = CFG.replace(compression=compression)
@@ -367,14 +368,13 @@ def test_commit_blocks_appends_exactly_the_completed_blocks_and_touches_nothing_
     completing = l - 1 + d * rng.integers(0, (S2 - l) // d + 1, 2)
     pos = jnp.asarray(np.concatenate([completing, [S2 - 1, l - 1 + d * int(rng.integers(1, 8)) + 1]]), jnp.int32)
     li = jnp.int32(int(rng.integers(L)))
-    kc, vc = commit_blocks(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, pos, cfg, *w, interpret=True)
-    one = jnp.ones((B,), jnp.int32)
-    slot, ck = kvc.completed_blocks(nsa.LayerKV(K, li), pos, one, 1, cfg, w[0], w[1])
-    _, cv = kvc.completed_blocks(nsa.LayerKV(V, li), pos, one, 1, cfg, w[2], w[3])
+    views = nsa.LayerKV(K, li), nsa.LayerKV(V, li)
+    kc, vc = commit_blocks(*views, KC, VC, pos, cfg, *w, interpret=True)
+    slot, _ = kvc.completed_blocks(views[0], pos, jnp.ones((B,), jnp.int32), 1, cfg, w[0], w[1])
     assert int((slot < S2 // d).sum()) >= 2  # the two completing rows (and the end of the cache) write
-    bidx = jnp.arange(B)[:, None]
-    np.testing.assert_allclose(kc, KC.at[li, bidx, slot].set(ck, mode="drop"), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(vc, VC.at[li, bidx, slot].set(cv, mode="drop"), rtol=1e-5, atol=1e-6)
+    ref_kc, ref_vc = kvc.append_blocks(*views, KC, VC, pos, cfg, *w)
+    np.testing.assert_allclose(kc, ref_kc, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(vc, ref_vc, rtol=1e-5, atol=1e-6)
 
 
 # -- stacked caches read in place ------------------------------------------------------------------------------
