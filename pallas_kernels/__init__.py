@@ -23,6 +23,7 @@ from .commit_blocks import commit_blocks
 from .compressed import compressed_attention
 from .decode_layer import decode_refresh_layer
 from .decode_layer import supports as _decode_supports
+from .gemv import fused_gemv
 from .grouped_verify import effective_selection, grouped_verify
 from .naive_verify import naive_verify
 from .overlap import merged_sizes, overlap_gamma, synthetic_selection
@@ -62,7 +63,8 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
 nsa_attention_kernel.reads_layer_views = True  # k, v, kc, vc may be nsa.LayerKV views: read in place from the stack
 nsa_attention_kernel.reads_compressed_views = True
 nsa_attention_kernel.commit_blocks = commit_blocks  # a decode step's compressed-block append (model.forward)
+nsa_attention_kernel.gemv = fused_gemv  # a decode step's wo and w_down projections with the residual add
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
-           "compressed_attention", "commit_blocks", "decode_refresh_layer", "overlap_gamma", "merged_sizes",
-           "synthetic_selection", "effective_selection", "poison_outputs", "MODES"]
+           "compressed_attention", "commit_blocks", "fused_gemv", "decode_refresh_layer", "overlap_gamma",
+           "merged_sizes", "synthetic_selection", "effective_selection", "poison_outputs", "MODES"]

@@ -14,7 +14,9 @@ kernel. With one query per KV head those glue ops cost more than both kernels to
    block to the left for the blocks that reach into the next one), set the forced blocks and candidates as
    `nsa.route` does, and run n rounds of (max, first index at the max, retire); then they attend their share
    of the selected blocks;
-3. XLA combines the splits of all three branches and applies the gates.
+3. `_combine_kernel` merges the splits of all three branches (running LSE) and applies the gates, one
+   program per (row, KV head), writing o in the layout the output projection reads: one launch instead of
+   XLA's three fusions (the combine weights, the weighted sums, the gates).
 
 Every selected program of a (query, KV head) routes identically (same inputs, same arithmetic); the first writes
 `sel`. The routing arithmetic differs from the reference's only in summation order, so near-ties of importance
@@ -34,8 +36,8 @@ from jax.experimental import pallas as pl
 from ssv_jax import nsa
 from ssv_jax.config import ModelConfig
 
-from ._common import (NEG, cache_arg, cache_refs, check_cache, check_cfg, combine, gate, init_state, layer_arg,
-                      next_pow2, pallas, reduce_all, rows_of, scores, unrows, update)
+from ._common import (NEG, cache_arg, cache_refs, check_cache, check_cfg, init_state, is_pow2, layer_arg,
+                      next_pow2, pallas, reduce_all, rows_of, scores, update)
 from .compressed import compressed_launch, compressed_splits
 
 TILE = 256  # compressed blocks per routing tile
@@ -171,13 +173,39 @@ def _kernel(rows_ref, meta_ref, s_ref, ma_ref, la_ref, k_ref, v_ref, *rest, sp: 
         l_ref[b] = l
 
 
+def _combine_kernel(ca_ref, cm_ref, cl_ref, a_ref, m_ref, l_ref, g_ref, o_ref, *, na: int, ns: int):
+    """o = g_c * o_cmp + g_s * o_slc + g_w * o_win for one (row, KV head): each branch the running-LSE merge of
+    its split states (acc unnormalised, m running max, l running sum), over the G real rows."""
+    g, d = o_ref.shape
+
+    def merge(st, acc, m, l):
+        acc_t, m_t, l_t = st
+        m_new = jnp.maximum(m_t, m)
+        a, b = jnp.exp(m_t - m_new), jnp.exp(m - m_new)
+        return a[:, None] * acc_t + b[:, None] * acc, m_new, a * l_t + b * l
+
+    def out(st):
+        acc, _, l = st
+        return acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+    rows = pl.ds(0, g)
+    o_cmp = out(jax.lax.fori_loop(0, na, lambda s, st: merge(st, ca_ref[s, rows, :], cm_ref[s, rows],
+                                                              cl_ref[s, rows]), init_state(g, d)))
+    o_slc, o_win = (out(jax.lax.fori_loop(0, ns, lambda s, st, b=b: merge(st, a_ref[s, b, rows, :], m_ref[s, b, rows],
+                                                                          l_ref[s, b, rows]), init_state(g, d)))
+                    for b in range(2))
+    gates = [g_ref[:, c][:, None] for c in range(3)]
+    o_ref[...] = (gates[0] * o_cmp + gates[1] * o_slc + gates[2] * o_win).astype(o_ref.dtype)
+
+
 def supports(cfg: ModelConfig, q_shape, extra, sel) -> bool:
     """Whether `decode_refresh_layer` serves this call: one query per batch row, no in-flight keys, routing to
     do, selection blocks that are a power-of-two number of compressed strides, and compressed blocks no longer
-    than a selection block (so a block meets at most the next selection block)."""
+    than a selection block (so a block meets at most the next selection block), and a power-of-two number of query
+    heads per KV head (the combine kernel's rows)."""
     r = cfg.slc_block // cfg.cmp_stride
     return (q_shape[1] == 1 and extra is None and sel is None and cfg.slc_block % cfg.cmp_stride == 0
-            and r & (r - 1) == 0 and cfg.cmp_len <= cfg.slc_block)
+            and r & (r - 1) == 0 and cfg.cmp_len <= cfg.slc_block and is_pow2(q_shape[2] // cfg.n_kv_heads))
 
 
 def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, *,
@@ -192,8 +220,8 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
     G = Hq // H
     if not supports(cfg, q.shape, None, None):
         raise ValueError(f"decode_refresh_layer serves one query per row (got Q={Q}; accepted: 1), with "
-                         f"slc_block/cmp_stride a power of two (got {cfg.slc_block}/{cfg.cmp_stride}) and "
-                         f"cmp_len <= slc_block (got {cfg.cmp_len})")
+                         f"slc_block/cmp_stride a power of two (got {cfg.slc_block}/{cfg.cmp_stride}), "
+                         f"cmp_len <= slc_block (got {cfg.cmp_len}) and Hq/Hkv a power of two (got {Hq}/{H})")
     check_cfg(cfg, D)
     check_cache(k, v, kc, cfg)
     mp = next_pow2(G)
@@ -242,7 +270,14 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
     sel, acc, m, l = pallas(functools.partial(_kernel, sp=sp), grid=(B * H, Q, sp.nsplit), in_specs=specs,
                             out_specs=out_specs, out_shape=out_shape, args=args, num_warps=num_warps,
                             num_stages=num_stages, interpret=interpret, name="decode_refresh")
-    o_cmp = combine(acc_a[:, :, :, :na], m_a[:, :, :, :na], l_a[:, :, :, :na], axis=3)[0]  # [B, H, 1, Mp, D]
-    o_sw = combine(acc, m, l, axis=3)[0]  # [B, H, 1, 2, Mp, D]
-    o_slc, o_win = (unrows(o_sw[:, :, :, b], Q, G) for b in range(2))
-    return gate(gates, unrows(o_cmp, Q, G), o_slc, o_win, q.dtype), sel
+    o_spec = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
+                                         lambda i: (*bh(i), 0) + (0,) * len(shape))
+    (o,) = pallas(functools.partial(_combine_kernel, na=na, ns=sp.nsplit), grid=(B * H,),
+                  in_specs=[o_spec(slots, mp, D), o_spec(slots, mp), o_spec(slots, mp), o_spec(sp.nsplit, 2, mp, D),
+                            o_spec(sp.nsplit, 2, mp), o_spec(sp.nsplit, 2, mp),
+                            pl.BlockSpec((None, None, G, 3), lambda i: (i // H, 0, i % H, 0))],
+                  out_specs=[pl.BlockSpec((None, None, G, D), lambda i: (i // H, 0, i % H, 0))],
+                  out_shape=[jax.ShapeDtypeStruct((B, Q, Hq, D), q.dtype)],
+                  args=[acc_a, m_a, l_a, acc, m, l, gates.astype(jnp.float32)], num_warps=num_warps, num_stages=1,
+                  interpret=interpret, name="decode_combine")
+    return o, sel

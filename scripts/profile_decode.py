@@ -45,7 +45,16 @@ def main():
     ap.add_argument("--trace", default="nsa_fused", help="which variant to trace, list the GPU ops of and dump the HLO of")
     ap.add_argument("--variants", nargs="+", default=None, help="run only these variants (default: all)")
     ap.add_argument("--json", default=None, help="also write the step times and the traced GPU busy time here")
+    ap.add_argument("--projections", nargs="*", default=None,
+                    help="the decode projections routed through pallas_kernels.gemv.fused_gemv on the kernel path "
+                         "(default: its PROJECTIONS; given with no names: XLA for all)")
     a = ap.parse_args()
+    os.makedirs(a.outdir, exist_ok=True)
+    from pallas_kernels import gemv
+    if a.projections is not None:
+        keep = {k: v for k, v in gemv.PROJECTIONS.items() if k in a.projections}
+        gemv.PROJECTIONS.clear()
+        gemv.PROJECTIONS.update(keep)
     cfg = get_config("llama31-8b-nsa").replace(n_layers=a.layers, feature_layers=(0, a.layers // 2, a.layers - 1))
     params = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))(jax.random.key(0))
     cap = kvc.cache_capacity(cfg, a.capacity)
@@ -91,6 +100,7 @@ def main():
             res["top_ops_us_per_step"] = {n[:120]: round(t / a.steps, 1) for n, t in rows[:25]}
             res["top_ops_count_per_step"] = {n[:120]: round(cnt[n] / a.steps, 2) for n, _ in rows}
     res["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    res["fused_projections"] = sorted(gemv.PROJECTIONS)
     print(json.dumps(res))
     if a.json:
         with open(a.json, "w") as f:

@@ -220,6 +220,7 @@ class Ctx(NamedTuple):
     pos: jax.Array  # [B, Q] absolute positions of the queries
     attn: AttnFn
     inv_freq: np.ndarray
+    gemv: Callable | None = None  # the backend's fused projection kernel for decode steps (`_projection_kernel`)
 
 
 def _cmp_params(lp, cfg):
@@ -243,16 +244,25 @@ def _qkv(lp, ctx: Ctx, x):
     return apply_rope(q, ctx.pos, ctx.inv_freq), apply_rope(k, ctx.pos, ctx.inv_freq), v, g
 
 
+def _residual_mm(ctx: Ctx, lp, name: str, h, x):
+    """x + h @ lp[name], in one launch of the backend's projection kernel where it has a config for `name` and
+    supports the shapes (a decode step's few rows), else XLA's GEMM and add."""
+    w = lp[name]
+    if ctx.gemv is not None and name in ctx.gemv.func.projections and ctx.gemv.func.supports(h.shape, w.shape):
+        return ctx.gemv(h, w, residual=x, **ctx.gemv.func.projections[name])
+    return x + _mm(h, w)
+
+
 def _finish(lp, ctx: Ctx, x, o):
     cfg = ctx.cfg
     B, Q = x.shape[:2]
-    x = x + _mm(o.reshape(B, Q, -1).astype(x.dtype), lp["wo"])
+    x = _residual_mm(ctx, lp, "wo", o.reshape(B, Q, -1).astype(x.dtype), x)
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
     if "w_gu" in lp:  # fused decode layout (split_layers)
         gate, up = _split_fused(h, lp["w_gu"], [cfg.ffn, cfg.ffn])
     else:
         gate, up = _mm(h, lp["w_gate"]), _mm(h, lp["w_up"])
-    return x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
+    return _residual_mm(ctx, lp, "w_down", jax.nn.silu(gate) * up, x)
 
 
 def _chunked_attn(ctx: Ctx, q_chunk: int, q, gates, k, v, kc, vc, kv_len, sel):
@@ -302,6 +312,16 @@ def _block_commit(attn, cfg: ModelConfig):
     return partial(fn, interpret=getattr(attn, "keywords", {}).get("interpret", False))
 
 
+def _projection_kernel(attn):
+    """The fused projection kernel an attention function brings (attribute `gemv`, e.g. the Pallas kernels'
+    `fused_gemv`: residual + h @ w in one launch for a few rows), as a partial with the attention's `interpret`
+    setting; None when it brings none. Its `projections` names the weights it serves and their launch configs."""
+    fn = getattr(getattr(attn, "func", attn), "gemv", None)
+    if fn is None:
+        return None
+    return partial(fn, interpret=getattr(attn, "keywords", {}).get("interpret", False))
+
+
 def _empty_sel(cfg: ModelConfig, B: int, Q: int):
     return jnp.zeros((B, Q, cfg.n_kv_heads, cfg.n_slc), jnp.int32)
 
@@ -346,7 +366,8 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
     commit = kernel_commit or partial(kvc.append_blocks, n_new=n_valid, max_new=Q)  # compressed-block append
     start = cache.length
     pos = start[:, None] + jnp.arange(Q, dtype=jnp.int32)[None, :]
-    ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+              _projection_kernel(attn) if Q == 1 else None)  # decode steps only: measured there
     kv_len = start + n_valid
     bidx = jnp.arange(B)[:, None]
 

@@ -67,7 +67,7 @@ def op_category(name: str) -> str:
     if any(s in n for s in ("nccl", "all-reduce", "all_reduce", "allreduce", "all-gather", "all_gather",
                             "reduce-scatter", "collective")):
         return "collective"
-    if any(s in n for s in ("gemm", "cublas", "cutlass", "sm90_xmma", "dot")):
+    if any(s in n for s in ("gemm", "gemv", "cublas", "cutlass", "sm90_xmma", "dot")):
         return "matmul"
     if any(s in n for s in _NSA_KERNELS):
         return "nsa_kernel"

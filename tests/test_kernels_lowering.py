@@ -92,13 +92,14 @@ def test_routing_takes_the_top_n_kernel_or_the_rank_fusion_never_xla_top_k(q, s,
 
 
 @pytest.mark.parametrize("s", [8192 + 256, 65536 + 4096])
-def test_a_decode_step_refresh_layer_is_two_launches_routing_inside_the_second(s):
-    """One query: the compressed kernel, then `decode_refresh` (routing, selected and window); no XLA TopK."""
+def test_a_decode_step_refresh_layer_is_three_launches_routing_inside_the_second(s):
+    """One query: the compressed kernel, `decode_refresh` (routing, selected and window), then `decode_combine`
+    (split merge and gates); no XLA TopK, and no exponential left to XLA."""
     args = dict(ARGS, q=sds((1, 1, HQ, D)), q_pos=sds((1, 1), jnp.int32), gates=sds((1, 1, HQ, 3)),
                 k=sds((1, s, H, D)), v=sds((1, s, H, D)), kc=sds((1, s // 16, H, D)), vc=sds((1, s // 16, H, D)))
     text = lower_for_cuda(lambda a: nsa_attention_kernel(**a, cfg=CFG, group_size=1), args)
-    assert text.count(TRITON) == 2 and "decode_refresh" in text
-    assert "top_k" not in text.lower()
+    assert text.count(TRITON) == 3 and "decode_refresh" in text and "decode_combine" in text
+    assert "top_k" not in text.lower() and "stablehlo.exponential" not in text
 
 
 def test_block_commit_lowers_to_one_launch_aliasing_both_compressed_stacks():

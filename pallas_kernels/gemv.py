@@ -1,0 +1,170 @@
+"""Decode-step GEMVs with their neighbours fused (issue #2: the decode step's small ops).
+
+In a one-token decode step each projection is a GEMV over a few rows, bound by reading the weights. XLA runs
+each as a split-K Triton GEMM plus separate fusions around it: the RMSNorm reduction before q/k/v/gate and
+gate/up, the split-K reduction after, the SwiGLU product, the residual add (docs/results/decode_profile_8k_h200.json:
+~11 such ops per layer). Here one launch does a whole projection with its neighbours:
+
+    y = rms_norm(x, norm) @ w              (norm: the prologue; `model.rms_norm`)
+    y = silu(h @ w_gate) * (h @ w_up)      (swiglu: w = [w_gate | w_up] fused column-wise, `model.split_layers`)
+    y = residual + x @ w                   (residual: the epilogue)
+
+Each program owns `block_n` output columns and loops over the whole contraction in `block_k` chunks, so there
+is no split-K pass. The rows (M <= 16) are padded to 16 in registers for a tensor-core dot, which Triton
+pipelines through shared memory (`num_stages`); or, with `dot=False`, reduced on the CUDA cores.
+Rounding follows `model`: the normalised input and each product are rounded to x's dtype before their next use.
+Reference: `model.rms_norm`, `model._mm`, `jax.nn.silu`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import is_pow2, pallas
+
+MAX_ROWS = 16  # rows of the padded dot operand: the rows a launch handles
+
+
+def _rows(x_ref, m: int, k0, bk: int):
+    return [x_ref[r, pl.ds(k0, bk)].astype(jnp.float32) for r in range(m)]
+
+
+def _pad16(hs, dtype):
+    """Rows [bk] each -> [16, bk] in `dtype`, row r holding hs[r] (all rows hs[0] when there is one)."""
+    if len(hs) == 1:
+        return jnp.broadcast_to(hs[0].astype(dtype)[None, :], (MAX_ROWS, hs[0].shape[0]))
+    rid = jax.lax.broadcasted_iota(jnp.int32, (MAX_ROWS, hs[0].shape[0]), 0)
+    out = jnp.zeros((MAX_ROWS, hs[0].shape[0]), jnp.float32)
+    for r, h in enumerate(hs):
+        out = jnp.where(rid == r, h[None, :], out)
+    return out.astype(dtype)
+
+
+def _row_of(acc, r: int):
+    """Row r of a [16, bn] accumulator (exact: a sum of zeros and one value)."""
+    rid = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+    return jnp.sum(jnp.where(rid == r, acc, 0.0), axis=0)
+
+
+def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: bool, swiglu: bool, dot: bool):
+    refs = list(refs)
+    x_ref, w_refs = refs.pop(0), [refs.pop(0) for _ in range(1 + swiglu)]
+    nw_ref = refs.pop(0) if norm else None
+    r_ref = refs.pop(0) if residual else None
+    (o_ref,) = refs
+    dt = x_ref.dtype
+    bn = o_ref.shape[-1]
+    prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+
+    if norm:  # 1 / rms of each row
+        def sumsq(i, ss):
+            return tuple(s + jnp.sum(h * h) for s, h in zip(ss, _rows(x_ref, m, pl.multiple_of(i * bk, bk), bk)))
+        ss = jax.lax.fori_loop(0, n_k, sumsq, tuple(jnp.float32(0) for _ in range(m)))
+        scale = [jax.lax.rsqrt(s / (n_k * bk) + eps) for s in ss]
+
+    def body(i, accs):
+        k0 = pl.multiple_of(i * bk, bk)
+        hs = _rows(x_ref, m, k0, bk)
+        if norm:
+            nw = nw_ref[pl.ds(k0, bk)].astype(jnp.float32)
+            hs = [((h * s) * nw).astype(dt).astype(jnp.float32) for h, s in zip(hs, scale)]
+        out = []
+        for w_ref, acc in zip(w_refs, accs):
+            w = w_ref[pl.ds(k0, bk), :]
+            if dot:
+                out.append(acc + plgpu.dot(_pad16(hs, dt), w.astype(dt), precision=prec))
+            else:
+                wf = w.astype(jnp.float32)
+                out.append(tuple(a + jnp.sum(h[:, None] * wf, axis=0) for a, h in zip(acc, hs)))
+        return tuple(out)
+
+    zero = jnp.zeros((MAX_ROWS, bn), jnp.float32) if dot else tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m))
+    accs = jax.lax.fori_loop(0, n_k, body, tuple(zero for _ in w_refs))
+    for r in range(m):
+        ys = [(_row_of(a, r) if dot else a[r]).astype(dt).astype(jnp.float32) for a in accs]
+        if swiglu:
+            g, u = ys
+            s = (g * jax.nn.sigmoid(g)).astype(dt).astype(jnp.float32)
+            y = s * u
+        else:
+            (y,) = ys
+        if residual:
+            y = r_ref[r, :].astype(jnp.float32) + y
+        o_ref[r, :] = y.astype(o_ref.dtype)
+
+
+def supports(x_shape, w_shape, *, swiglu: bool = False) -> bool:
+    """Rows (all leading axes of x) <= 16, a 2-D weight [K, N] whose contraction K is a multiple of 16 and whose
+    output columns (per half with swiglu) are a multiple of 16."""
+    rows = math.prod(x_shape[:-1])
+    if len(w_shape) != 2 or rows > MAX_ROWS or x_shape[-1] != w_shape[0]:
+        return False
+    n = w_shape[1] // 2 if swiglu else w_shape[1]
+    return w_shape[0] % 16 == 0 and n % 16 == 0 and (not swiglu or w_shape[1] % 2 == 0)
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    b = cap
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 1e-5,
+               residual: jax.Array | None = None, swiglu: bool = False, block_n: int = 32, block_k: int = 256,
+               dot: bool = True, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """One-launch projection of a few rows: x [..., K] times w [K, N] with the optional fused steps of the
+    module docstring. Returns [..., N] (or [..., N / 2] with `swiglu`) in x's dtype.
+
+    `block_n` / `block_k` are caps: the launch uses the largest powers of two within them that divide the
+    output columns and K."""
+    if not supports(x.shape, w.shape, swiglu=swiglu):
+        raise ValueError(f"fused_gemv got x {tuple(x.shape)} and w {tuple(w.shape)}; accepted: x [..., K] with at "
+                         f"most {MAX_ROWS} rows, w [K, N] with K and N{' / 2' if swiglu else ''} multiples of 16")
+    if not (is_pow2(block_n) and is_pow2(block_k) and block_n >= 16 and block_k >= 16):
+        raise ValueError(f"block_n={block_n}, block_k={block_k} are invalid; accepted: powers of two >= 16")
+    if residual is not None and residual.shape[:-1] + (residual.shape[-1],) != x.shape[:-1] + (
+            w.shape[1] // (2 if swiglu else 1),):
+        raise ValueError(f"residual {tuple(residual.shape)} must match the output {x.shape[:-1]} + "
+                         f"({w.shape[1] // (2 if swiglu else 1)},)")
+    lead, K = x.shape[:-1], x.shape[-1]
+    m = math.prod(lead)
+    n = w.shape[1] // 2 if swiglu else w.shape[1]
+    bn, bk = _largest_pow2_divisor(n, block_n), _largest_pow2_divisor(K, block_k)
+    nb = n // bn
+    x2 = x.reshape(m, K)
+    args = [x2, w] + ([w] if swiglu else [])
+    specs = [pl.BlockSpec((m, K), lambda j: (0, 0)), pl.BlockSpec((K, bn), lambda j: (0, j))]
+    if swiglu:
+        specs.append(pl.BlockSpec((K, bn), lambda j: (0, j + nb)))
+    if norm is not None:
+        args.append(norm)
+        specs.append(pl.BlockSpec((K,), lambda j: (0,)))
+    if residual is not None:
+        args.append(residual.reshape(m, n))
+        specs.append(pl.BlockSpec((m, bn), lambda j: (0, j)))
+    kern = functools.partial(_kernel, m=m, bk=bk, n_k=K // bk, norm=norm is not None, eps=float(eps),
+                             residual=residual is not None, swiglu=swiglu, dot=dot)
+    (y,) = pallas(kern, grid=(nb,), in_specs=specs, out_specs=[pl.BlockSpec((m, bn), lambda j: (0, j))],
+                  out_shape=[jax.ShapeDtypeStruct((m, n), x.dtype)], args=args, num_warps=num_warps,
+                  num_stages=num_stages, interpret=interpret, name="fused_gemv")
+    return y.reshape(lead + (n,))
+
+
+# The decode-step projections `model.forward` routes through `fused_gemv` (as residual + h @ w), with their launch
+# configs: the ones where one fused launch beats XLA's split-K GEMV and the add after it at the 8B shapes
+# (scripts/tune_gemv.py, docs/results/gemv_h200.json). q/k/v/gate and gate/up stay with XLA, whose GEMVs were
+# faster there even counting the RMSNorm pass this kernel would fuse.
+PROJECTIONS = {
+    "wo": dict(block_n=32, block_k=256, num_warps=4, num_stages=4),
+    "w_down": dict(block_n=64, block_k=512, num_warps=4, num_stages=4),
+}
+
+fused_gemv.supports = supports
+fused_gemv.projections = PROJECTIONS
