@@ -174,25 +174,21 @@ def _kernel(rows_ref, meta_ref, s_ref, ma_ref, la_ref, k_ref, v_ref, *rest, sp: 
 
 
 def _combine_kernel(ca_ref, cm_ref, cl_ref, a_ref, m_ref, l_ref, g_ref, o_ref, *, na: int, ns: int):
-    """o = g_c * o_cmp + g_s * o_slc + g_w * o_win for one (row, KV head): each branch the running-LSE merge of
-    its split states (acc unnormalised, m running max, l running sum), over the G real rows."""
-    g, d = o_ref.shape
+    """o = g_c * o_cmp + g_s * o_slc + g_w * o_win for one (row, KV head): each branch the LSE merge of its split
+    states (acc unnormalised, m running max, l running sum) over the G real rows. The split loops are unrolled so
+    that every load is independent of the merge (a loop-carried merge serialises ~30 load latencies)."""
+    g, dc = o_ref.shape
+    rows, cols = pl.ds(0, g), pl.ds(pl.program_id(1) * dc, dc)
 
-    def merge(st, acc, m, l):
-        acc_t, m_t, l_t = st
-        m_new = jnp.maximum(m_t, m)
-        a, b = jnp.exp(m_t - m_new), jnp.exp(m - m_new)
-        return a[:, None] * acc_t + b[:, None] * acc, m_new, a * l_t + b * l
+    def merge(states):
+        mt = functools.reduce(jnp.maximum, [m for _, m, _ in states])
+        ws = [jnp.exp(m - mt) for _, m, _ in states]
+        lt = sum(w * l for w, (_, _, l) in zip(ws, states))
+        acc = sum(w[:, None] * a for w, (a, _, _) in zip(ws, states))
+        return acc / jnp.where(lt > 0, lt, 1.0)[:, None]
 
-    def out(st):
-        acc, _, l = st
-        return acc / jnp.where(l > 0, l, 1.0)[:, None]
-
-    rows = pl.ds(0, g)
-    o_cmp = out(jax.lax.fori_loop(0, na, lambda s, st: merge(st, ca_ref[s, rows, :], cm_ref[s, rows],
-                                                              cl_ref[s, rows]), init_state(g, d)))
-    o_slc, o_win = (out(jax.lax.fori_loop(0, ns, lambda s, st, b=b: merge(st, a_ref[s, b, rows, :], m_ref[s, b, rows],
-                                                                          l_ref[s, b, rows]), init_state(g, d)))
+    o_cmp = merge([(ca_ref[s, rows, cols], cm_ref[s, rows], cl_ref[s, rows]) for s in range(na)])
+    o_slc, o_win = (merge([(a_ref[s, b, rows, cols], m_ref[s, b, rows], l_ref[s, b, rows]) for s in range(ns)])
                     for b in range(2))
     gates = [g_ref[:, c][:, None] for c in range(3)]
     o_ref[...] = (gates[0] * o_cmp + gates[1] * o_slc + gates[2] * o_win).astype(o_ref.dtype)
@@ -210,11 +206,13 @@ def supports(cfg: ModelConfig, q_shape, extra, sel) -> bool:
 
 def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig, *,
                          per_program: tuple[int, int] = (3, 2), cmp_nsplit: int | None = None,
-                         interpret: bool = False, num_warps: int = 2, num_stages: int = 2):
+                         combine_columns: int = 32, interpret: bool = False, num_warps: int = 2,
+                         num_stages: int = 2):
     """Refresh-layer NSA attention for one query per batch row (decode), as `nsa.nsa_attention(sel=None)` with
     no extras: returns (o [B, 1, Hq, D] in q's dtype, sel [B, 1, Hkv, n]). k, v, kc, vc may be `nsa.LayerKV`
     views. `per_program` = (window blocks, selected blocks) each program of the second launch attends: window
-    programs start at once, selected ones after routing. `cmp_nsplit` splits the compressed blocks."""
+    programs start at once, selected ones after routing. `cmp_nsplit` splits the compressed blocks;
+    `combine_columns` is the head-dim slice each combine program merges (smaller: more, shorter programs)."""
     B, Q, Hq, D = q.shape
     H = k.shape[2]
     G = Hq // H
@@ -271,13 +269,16 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
                             out_specs=out_specs, out_shape=out_shape, args=args, num_warps=num_warps,
                             num_stages=num_stages, interpret=interpret, name="decode_refresh")
     o_spec = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
-                                         lambda i: (*bh(i), 0) + (0,) * len(shape))
-    (o,) = pallas(functools.partial(_combine_kernel, na=na, ns=sp.nsplit), grid=(B * H,),
+                                         lambda i, e: (*bh(i), 0) + (0,) * len(shape))
+    dc = min(D, combine_columns)
+    if not (is_pow2(combine_columns) and D % dc == 0):
+        raise ValueError(f"combine_columns={combine_columns} is invalid; accepted: a power of two")
+    (o,) = pallas(functools.partial(_combine_kernel, na=na, ns=sp.nsplit), grid=(B * H, D // dc),
                   in_specs=[o_spec(slots, mp, D), o_spec(slots, mp), o_spec(slots, mp), o_spec(sp.nsplit, 2, mp, D),
                             o_spec(sp.nsplit, 2, mp), o_spec(sp.nsplit, 2, mp),
-                            pl.BlockSpec((None, None, G, 3), lambda i: (i // H, 0, i % H, 0))],
-                  out_specs=[pl.BlockSpec((None, None, G, D), lambda i: (i // H, 0, i % H, 0))],
+                            pl.BlockSpec((None, None, G, 3), lambda i, e: (i // H, 0, i % H, 0))],
+                  out_specs=[pl.BlockSpec((None, None, G, dc), lambda i, e: (i // H, 0, i % H, e))],
                   out_shape=[jax.ShapeDtypeStruct((B, Q, Hq, D), q.dtype)],
-                  args=[acc_a, m_a, l_a, acc, m, l, gates.astype(jnp.float32)], num_warps=num_warps, num_stages=1,
+                  args=[acc_a, m_a, l_a, acc, m, l, gates.astype(jnp.float32)], num_warps=4, num_stages=1,
                   interpret=interpret, name="decode_combine")
     return o, sel

@@ -303,9 +303,9 @@ def _cmp_view(stack, li, attn):
 
 
 def _block_commit(attn, cfg: ModelConfig):
-    """The decode-step block commit an attention function brings (attribute `commit_blocks`, e.g. the Pallas
-    kernels': same result as `cache.completed_blocks` plus the scatter, for one new key per row), called with the
-    attention's `interpret` setting; None when it brings none or does not support this config."""
+    """The decode-step commit an attention function brings (attribute `commit_blocks`, e.g. the Pallas kernels':
+    for one new key per row, the scatter of the new K/V rows plus `cache.append_blocks`, in one launch), called
+    with the attention's `interpret` setting; None when it brings none or does not support this config."""
     fn = getattr(getattr(attn, "func", attn), "commit_blocks", None)
     if fn is None or not fn.supports(cfg, cfg.head_dim):
         return None
@@ -363,7 +363,6 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
     flags = sched.parse(schedule, cfg.n_layers)
     kernel_commit = _block_commit(attn, cfg) if (Q == 1 and n_valid is None) else None
     n_valid = jnp.full((B,), Q, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
-    commit = kernel_commit or partial(kvc.append_blocks, n_new=n_valid, max_new=Q)  # compressed-block append
     start = cache.length
     pos = start[:, None] + jnp.arange(Q, dtype=jnp.int32)[None, :]
     ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
@@ -375,11 +374,16 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
         x, K, V, KC, VC, sel = carry
         lp, li = xs
         q, k, v, g = _qkv(lp, ctx, x)
-        K = K.at[li, bidx, pos].set(k.astype(K.dtype), mode="drop")
-        V = V.at[li, bidx, pos].set(v.astype(V.dtype), mode="drop")
         (wk, pek), (wv, pev) = _cmp_params(lp, cfg)
+        if kernel_commit is not None:  # the new rows and the blocks they complete, in one launch
+            K, V, KC, VC = kernel_commit(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, start, cfg, wk, pek, wv,
+                                         pev, new=(k, v))
+        else:
+            K = K.at[li, bidx, pos].set(k.astype(K.dtype), mode="drop")
+            V = V.at[li, bidx, pos].set(v.astype(V.dtype), mode="drop")
+            KC, VC = kvc.append_blocks(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, start, cfg, wk, pek, wv,
+                                       pev, n_new=n_valid, max_new=Q)
         Kl, Vl = _layer_view(K, li, attn), _layer_view(V, li, attn)
-        KC, VC = commit(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, start, cfg, wk, pek, wv, pev)
         o, sel = _chunked_attn(ctx, q_chunk, q, g, Kl, Vl, _cmp_view(KC, li, attn), _cmp_view(VC, li, attn), kv_len,
                                None if refresh else sel)
         return (_finish(lp, ctx, x, o), K, V, KC, VC, sel), x

@@ -309,7 +309,8 @@ def test_decode_refresh_layer_equals_nsa_attention_and_routes_identically(dtype)
     kc, vc = nsa.compress_all(k, CFG), nsa.compress_all(v, CFG)
     f = jax.jit(lambda q, qp, g, kl: decode_refresh_layer(q, qp, g, k, v, kc, vc, kl, CFG, interpret=True,
                                                           per_program=tuple(int(x) for x in rng.integers(1, 6, 2)),
-                                                          cmp_nsplit=3))
+                                                          cmp_nsplit=3,
+                                                          combine_columns=int(rng.choice([4, 8, 16]))))
     tile_edge = 2048 + CFG.cmp_len - 1  # the last block of the first tile completes here and spills over
     for lengths in ([1, 2 + int(rng.integers(60))], [tile_edge, S2], list(rng.integers(1, S2 + 1, B))):
         kv_len = jnp.asarray(lengths, jnp.int32)
@@ -375,6 +376,44 @@ def test_commit_blocks_appends_exactly_the_completed_blocks_and_touches_nothing_
     ref_kc, ref_vc = kvc.append_blocks(*views, KC, VC, pos, cfg, *w)
     np.testing.assert_allclose(kc, ref_kc, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(vc, ref_vc, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compression", ["mlp", "mean"])
+def test_commit_blocks_with_new_rows_equals_scattering_them_then_committing(compression):
+    """With the new key/value rows given, one launch writes them at `pos` into the K/V stacks (a row past the
+    cache is dropped) and commits the blocks they complete: equal to XLA's scatter of the rows followed by
+    `cache.append_blocks`, on every element of all four stacks."""
+    from ssv_jax import cache as kvc
+
+    cfg = CFG.replace(compression=compression)
+    rng = np.random.default_rng()
+    L, B, S2, H, D, l, d = 3, 4, 256, cfg.n_kv_heads, cfg.head_dim, cfg.cmp_len, cfg.cmp_stride
+    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 10)
+    K, V = (jax.random.normal(ks[i], (L, B, S2, H, D)) for i in range(2))
+    KC, VC = (jax.random.normal(ks[2 + i], (L, B, S2 // d, H, D)) for i in range(2))
+    kn, vn = (jax.random.normal(ks[8 + i], (B, 1, H, D)) for i in range(2))
+    w = (jax.random.normal(ks[4], (H, l, D, D)) / D, jax.random.normal(ks[5], (H, l, D)),
+         jax.random.normal(ks[6], (H, l, D, D)) / D, jax.random.normal(ks[7], (H, l, D))) \
+        if compression == "mlp" else (None,) * 4
+    completing = l - 1 + d * rng.integers(0, (S2 - l) // d + 1, 2)
+    pos = jnp.asarray(np.concatenate([completing, [S2, int(rng.integers(0, S2))]]), jnp.int32)
+    li = jnp.int32(int(rng.integers(L)))
+    ref_k = K.at[li, jnp.arange(B), pos].set(kn[:, 0], mode="drop")
+    ref_v = V.at[li, jnp.arange(B), pos].set(vn[:, 0], mode="drop")
+    ref_kc, ref_vc = kvc.append_blocks(nsa.LayerKV(ref_k, li), nsa.LayerKV(ref_v, li), KC, VC, pos, cfg, *w)
+    got = commit_blocks(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, pos, cfg, *w, new=(kn, vn),
+                        interpret=True)
+    for a, b in zip(got, (ref_k, ref_v, ref_kc, ref_vc)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_commit_blocks_rejects_new_rows_of_the_wrong_shape():
+    K = jnp.zeros((2, 1, 64, CFG.n_kv_heads, CFG.head_dim))
+    KC = jnp.zeros((2, 1, 64 // CFG.cmp_stride, CFG.n_kv_heads, CFG.head_dim))
+    bad = jnp.zeros((1, 2, CFG.n_kv_heads, CFG.head_dim))
+    with pytest.raises(ValueError, match="new rows"):
+        commit_blocks(nsa.LayerKV(K, 0), nsa.LayerKV(K, 0), KC, KC, jnp.zeros((1,), jnp.int32), CFG,
+                      new=(bad, bad), interpret=True)
 
 
 # -- stacked caches read in place ------------------------------------------------------------------------------

@@ -102,19 +102,23 @@ def test_a_decode_step_refresh_layer_is_three_launches_routing_inside_the_second
     assert "top_k" not in text.lower() and "stablehlo.exponential" not in text
 
 
-def test_block_commit_lowers_to_one_launch_aliasing_both_compressed_stacks():
-    """The decode step's block commit: one Triton call for K and V, writing the [L, ...] stacks in place."""
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_block_commit_lowers_to_one_launch_aliasing_both_compressed_stacks(with_rows):
+    """The decode step's block commit: one Triton call for K and V, writing the [L, ...] stacks in place; given
+    the new K/V rows it writes those into the K/V stacks in the same launch (no XLA scatter or update)."""
     L, s = 4, 8192 + 256
     st = lambda n: sds((L, 1, n, H, D))  # noqa: E731
     w, pe = sds((H, CFG.cmp_len, D, D)), sds((H, CFG.cmp_len, D))
+    row = sds((1, 1, H, D))
 
-    def fn(k, v, kc, vc, pos, li, w, pe):
-        return commit_blocks(nsa.LayerKV(k, li), nsa.LayerKV(v, li), kc, vc, pos, CFG, w, pe, w, pe)
+    def fn(k, v, kc, vc, pos, li, w, pe, kn, vn):
+        return commit_blocks(nsa.LayerKV(k, li), nsa.LayerKV(v, li), kc, vc, pos, CFG, w, pe, w, pe,
+                             new=(kn, vn) if with_rows else None)
 
     text = lower_for_cuda(fn, st(s), st(s), st(s // 16), st(s // 16), sds((1,), jnp.int32), sds((), jnp.int32),
-                          w, pe)
+                          w, pe, row, row)
     assert text.count(TRITON) == 1 and "commit_blocks" in text
-    assert "scatter" not in text and "dynamic_slice" not in text
+    assert "scatter" not in text and "dynamic_slice" not in text and "dynamic_update_slice" not in text
 
 
 def test_top_n_kernel_lowers_for_cuda_in_one_launch_per_stage():
