@@ -349,6 +349,24 @@ def test_one_query_dispatch_takes_the_decode_layer_on_stacked_views():
     assert (sel == ref_sel).all() and rel_rms(o, ref_o) <= 1e-5
 
 
+COMMIT_L, COMMIT_B, COMMIT_S = 3, 4, 256
+
+
+def _commit_case(compression: str, rng):
+    """Random stacks [L, B, S, Hkv, D] (K, V, KC, VC), MLP compression parameters (or Nones), new K/V rows
+    [B, 1, Hkv, D], positions of two rows that complete a block, and a random layer."""
+    cfg = CFG.replace(compression=compression)
+    L, B, S2, H, D, l, d = COMMIT_L, COMMIT_B, COMMIT_S, cfg.n_kv_heads, cfg.head_dim, cfg.cmp_len, cfg.cmp_stride
+    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 10)
+    stacks = [jax.random.normal(ks[i], (L, B, S2 // (1 if i < 2 else d), H, D)) for i in range(4)]
+    w = (jax.random.normal(ks[4], (H, l, D, D)) / D, jax.random.normal(ks[5], (H, l, D)),
+         jax.random.normal(ks[6], (H, l, D, D)) / D, jax.random.normal(ks[7], (H, l, D))) \
+        if compression == "mlp" else (None,) * 4
+    new = tuple(jax.random.normal(ks[8 + i], (B, 1, H, D)) for i in range(2))
+    completing = l - 1 + d * rng.integers(0, (S2 - l) // d + 1, 2)
+    return cfg, stacks, w, new, completing, jnp.int32(int(rng.integers(L)))
+
+
 @pytest.mark.parametrize("compression", ["mlp", "mean"])
 def test_commit_blocks_appends_exactly_the_completed_blocks_and_touches_nothing_else(compression):
     """After one key per row at fresh random positions (some completing a block, some not, one at the cache's
@@ -357,21 +375,13 @@ def test_commit_blocks_appends_exactly_the_completed_blocks_and_touches_nothing_
     value."""
     from ssv_jax import cache as kvc
 
-    cfg = CFG.replace(compression=compression)
     rng = np.random.default_rng()
-    L, B, S2, H, D, l, d = 3, 4, 256, cfg.n_kv_heads, cfg.head_dim, cfg.cmp_len, cfg.cmp_stride
-    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 8)
-    K, V = (jax.random.normal(ks[i], (L, B, S2, H, D)) for i in range(2))
-    KC, VC = (jax.random.normal(ks[2 + i], (L, B, S2 // d, H, D)) for i in range(2))
-    w = (jax.random.normal(ks[4], (H, l, D, D)) / D, jax.random.normal(ks[5], (H, l, D)),
-         jax.random.normal(ks[6], (H, l, D, D)) / D, jax.random.normal(ks[7], (H, l, D))) \
-        if compression == "mlp" else (None,) * 4
-    completing = l - 1 + d * rng.integers(0, (S2 - l) // d + 1, 2)
+    cfg, (K, V, KC, VC), w, _, completing, li = _commit_case(compression, rng)
+    l, d, S2 = cfg.cmp_len, cfg.cmp_stride, COMMIT_S
     pos = jnp.asarray(np.concatenate([completing, [S2 - 1, l - 1 + d * int(rng.integers(1, 8)) + 1]]), jnp.int32)
-    li = jnp.int32(int(rng.integers(L)))
     views = nsa.LayerKV(K, li), nsa.LayerKV(V, li)
     kc, vc = commit_blocks(*views, KC, VC, pos, cfg, *w, interpret=True)
-    slot, _ = kvc.completed_blocks(views[0], pos, jnp.ones((B,), jnp.int32), 1, cfg, w[0], w[1])
+    slot, _ = kvc.completed_blocks(views[0], pos, jnp.ones((COMMIT_B,), jnp.int32), 1, cfg, w[0], w[1])
     assert int((slot < S2 // d).sum()) >= 2  # the two completing rows (and the end of the cache) write
     ref_kc, ref_vc = kvc.append_blocks(*views, KC, VC, pos, cfg, *w)
     np.testing.assert_allclose(kc, ref_kc, rtol=1e-5, atol=1e-6)
@@ -385,21 +395,12 @@ def test_commit_blocks_with_new_rows_equals_scattering_them_then_committing(comp
     `cache.append_blocks`, on every element of all four stacks."""
     from ssv_jax import cache as kvc
 
-    cfg = CFG.replace(compression=compression)
     rng = np.random.default_rng()
-    L, B, S2, H, D, l, d = 3, 4, 256, cfg.n_kv_heads, cfg.head_dim, cfg.cmp_len, cfg.cmp_stride
-    ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 10)
-    K, V = (jax.random.normal(ks[i], (L, B, S2, H, D)) for i in range(2))
-    KC, VC = (jax.random.normal(ks[2 + i], (L, B, S2 // d, H, D)) for i in range(2))
-    kn, vn = (jax.random.normal(ks[8 + i], (B, 1, H, D)) for i in range(2))
-    w = (jax.random.normal(ks[4], (H, l, D, D)) / D, jax.random.normal(ks[5], (H, l, D)),
-         jax.random.normal(ks[6], (H, l, D, D)) / D, jax.random.normal(ks[7], (H, l, D))) \
-        if compression == "mlp" else (None,) * 4
-    completing = l - 1 + d * rng.integers(0, (S2 - l) // d + 1, 2)
-    pos = jnp.asarray(np.concatenate([completing, [S2, int(rng.integers(0, S2))]]), jnp.int32)
-    li = jnp.int32(int(rng.integers(L)))
-    ref_k = K.at[li, jnp.arange(B), pos].set(kn[:, 0], mode="drop")
-    ref_v = V.at[li, jnp.arange(B), pos].set(vn[:, 0], mode="drop")
+    cfg, (K, V, KC, VC), w, (kn, vn), completing, li = _commit_case(compression, rng)
+    pos = jnp.asarray(np.concatenate([completing, [COMMIT_S, int(rng.integers(0, COMMIT_S))]]), jnp.int32)
+    rows = jnp.arange(COMMIT_B)
+    ref_k = K.at[li, rows, pos].set(kn[:, 0], mode="drop")
+    ref_v = V.at[li, rows, pos].set(vn[:, 0], mode="drop")
     ref_kc, ref_vc = kvc.append_blocks(nsa.LayerKV(ref_k, li), nsa.LayerKV(ref_v, li), KC, VC, pos, cfg, *w)
     got = commit_blocks(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, pos, cfg, *w, new=(kn, vn),
                         interpret=True)
