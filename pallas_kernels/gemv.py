@@ -8,16 +8,11 @@ gate/up, the split-K reduction after, the SwiGLU product, the residual add (docs
     y = rms_norm(x, norm) @ w              (norm: the prologue; `model.rms_norm`)
     y = silu(h @ w_gate) * (h @ w_up)      (swiglu: w = [w_gate | w_up] fused column-wise, `model.split_layers`)
     y = residual + x @ w                   (residual: the epilogue)
-    y = (silu(x_gate) * x_up) @ w          (swiglu_input: x = [x_gate | x_up], the gate/up product, as w_down's
-                                            prologue)
 
 Each program owns `block_n` output columns and loops over the whole contraction in `block_k` chunks, so there
 is no split-K pass. The rows (M <= 16) are padded to 16 in registers for a tensor-core dot, which Triton
 pipelines through shared memory (`num_stages`); or, with `dot=False`, reduced on the CUDA cores.
 Rounding follows `model`: the normalised input and each product are rounded to x's dtype before their next use.
-`rms_norm_rows` is the RMSNorm alone in one launch, for the projections XLA keeps (q/k/v/gate, gate/up): XLA runs
-it as two fusions (the sum of squares, then the scaling), each a launch of ~1.4 us at the 8B decode shape.
-
 Reference: `model.rms_norm`, `model._mm`, `jax.nn.silu`.
 """
 
@@ -40,11 +35,6 @@ def _rows(x_ref, m: int, k0, bk: int):
     return [x_ref[r, pl.ds(k0, bk)].astype(jnp.float32) for r in range(m)]
 
 
-def _swiglu(g, u, dt):
-    """silu(g) * u rounded as the model's bf16 ops are: silu's result, then the product (fp32 in and out)."""
-    return ((g * jax.nn.sigmoid(g)).astype(dt).astype(jnp.float32) * u).astype(dt).astype(jnp.float32)
-
-
 def _pad16(hs, dtype):
     """Rows [bk] each -> [16, bk] in `dtype`, row r holding hs[r] (all rows hs[0] when there is one)."""
     if len(hs) == 1:
@@ -62,8 +52,7 @@ def _row_of(acc, r: int):
     return jnp.sum(jnp.where(rid == r, acc, 0.0), axis=0)
 
 
-def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: bool, swiglu: bool, dot: bool,
-            swiglu_input: bool):
+def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: bool, swiglu: bool, dot: bool):
     refs = list(refs)
     x_ref, w_refs = refs.pop(0), [refs.pop(0) for _ in range(1 + swiglu)]
     nw_ref = refs.pop(0) if norm else None
@@ -82,8 +71,6 @@ def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: 
     def body(i, accs):
         k0 = pl.multiple_of(i * bk, bk)
         hs = _rows(x_ref, m, k0, bk)
-        if swiglu_input:
-            hs = [_swiglu(g, u, dt) for g, u in zip(hs, _rows(x_ref, m, n_k * bk + k0, bk))]
         if norm:
             nw = nw_ref[pl.ds(k0, bk)].astype(jnp.float32)
             hs = [((h * s) * nw).astype(dt).astype(jnp.float32) for h, s in zip(hs, scale)]
@@ -101,17 +88,22 @@ def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: 
     accs = jax.lax.fori_loop(0, n_k, body, tuple(zero for _ in w_refs))
     for r in range(m):
         ys = [(_row_of(a, r) if dot else a[r]).astype(dt).astype(jnp.float32) for a in accs]
-        y = _swiglu(*ys, dt) if swiglu else ys[0]
+        if swiglu:
+            g, u = ys
+            s = (g * jax.nn.sigmoid(g)).astype(dt).astype(jnp.float32)
+            y = s * u
+        else:
+            (y,) = ys
         if residual:
             y = r_ref[r, :].astype(jnp.float32) + y
         o_ref[r, :] = y.astype(o_ref.dtype)
 
 
-def supports(x_shape, w_shape, *, swiglu: bool = False, swiglu_input: bool = False) -> bool:
+def supports(x_shape, w_shape, *, swiglu: bool = False) -> bool:
     """Rows (all leading axes of x) <= 16, a 2-D weight [K, N] whose contraction K is a multiple of 16 and whose
-    output columns (per half with swiglu) are a multiple of 16; x has K columns (2K with swiglu_input)."""
+    output columns (per half with swiglu) are a multiple of 16."""
     rows = math.prod(x_shape[:-1])
-    if len(w_shape) != 2 or rows > MAX_ROWS or x_shape[-1] != w_shape[0] * (2 if swiglu_input else 1):
+    if len(w_shape) != 2 or rows > MAX_ROWS or x_shape[-1] != w_shape[0]:
         return False
     n = w_shape[1] // 2 if swiglu else w_shape[1]
     return w_shape[0] % 16 == 0 and n % 16 == 0 and (not swiglu or w_shape[1] % 2 == 0)
@@ -125,33 +117,30 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 
 
 def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 1e-5,
-               residual: jax.Array | None = None, swiglu: bool = False, swiglu_input: bool = False,
-               block_n: int = 32, block_k: int = 256, dot: bool = True, num_warps: int = 4, num_stages: int = 3,
-               interpret: bool = False) -> jax.Array:
-    """One-launch projection of a few rows: x [..., K] (or [..., 2K] with `swiglu_input`) times w [K, N] with
-    the optional fused steps of the module docstring. Returns [..., N] (or [..., N / 2] with `swiglu`) in x's
-    dtype.
+               residual: jax.Array | None = None, swiglu: bool = False, block_n: int = 32, block_k: int = 256,
+               dot: bool = True, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """One-launch projection of a few rows: x [..., K] times w [K, N] with the optional fused steps of the
+    module docstring. Returns [..., N] (or [..., N / 2] with `swiglu`) in x's dtype.
 
     `block_n` / `block_k` are caps: the launch uses the largest powers of two within them that divide the
     output columns and K."""
-    K = w.shape[0] if w.ndim == 2 else None
-    if not supports(x.shape, w.shape, swiglu=swiglu, swiglu_input=swiglu_input):
-        raise ValueError(f"fused_gemv got x {tuple(x.shape)} and w {tuple(w.shape)}; accepted: x [..., "
-                         f"{'2K' if swiglu_input else 'K'}] with at most {MAX_ROWS} rows, w [K, N] with K and "
-                         f"N{' / 2' if swiglu else ''} multiples of 16")
-    if norm is not None and swiglu_input:
-        raise ValueError("norm and swiglu_input exclude each other: the norm applies to x itself")
+    if not supports(x.shape, w.shape, swiglu=swiglu):
+        raise ValueError(f"fused_gemv got x {tuple(x.shape)} and w {tuple(w.shape)}; accepted: x [..., K] with at "
+                         f"most {MAX_ROWS} rows, w [K, N] with K and N{' / 2' if swiglu else ''} multiples of 16")
     if not (is_pow2(block_n) and is_pow2(block_k) and block_n >= 16 and block_k >= 16):
         raise ValueError(f"block_n={block_n}, block_k={block_k} are invalid; accepted: powers of two >= 16")
-    lead = x.shape[:-1]
-    n = w.shape[1] // 2 if swiglu else w.shape[1]
-    if residual is not None and tuple(residual.shape) != lead + (n,):
-        raise ValueError(f"residual {tuple(residual.shape)} must match the output {lead + (n,)}")
+    if residual is not None and residual.shape[:-1] + (residual.shape[-1],) != x.shape[:-1] + (
+            w.shape[1] // (2 if swiglu else 1),):
+        raise ValueError(f"residual {tuple(residual.shape)} must match the output {x.shape[:-1]} + "
+                         f"({w.shape[1] // (2 if swiglu else 1)},)")
+    lead, K = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
+    n = w.shape[1] // 2 if swiglu else w.shape[1]
     bn, bk = _largest_pow2_divisor(n, block_n), _largest_pow2_divisor(K, block_k)
     nb = n // bn
-    args = [x.reshape(m, x.shape[-1]), w] + ([w] if swiglu else [])
-    specs = [pl.BlockSpec((m, x.shape[-1]), lambda j: (0, 0)), pl.BlockSpec((K, bn), lambda j: (0, j))]
+    x2 = x.reshape(m, K)
+    args = [x2, w] + ([w] if swiglu else [])
+    specs = [pl.BlockSpec((m, K), lambda j: (0, 0)), pl.BlockSpec((K, bn), lambda j: (0, j))]
     if swiglu:
         specs.append(pl.BlockSpec((K, bn), lambda j: (0, j + nb)))
     if norm is not None:
@@ -161,36 +150,11 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
         args.append(residual.reshape(m, n))
         specs.append(pl.BlockSpec((m, bn), lambda j: (0, j)))
     kern = functools.partial(_kernel, m=m, bk=bk, n_k=K // bk, norm=norm is not None, eps=float(eps),
-                             residual=residual is not None, swiglu=swiglu, dot=dot, swiglu_input=swiglu_input)
+                             residual=residual is not None, swiglu=swiglu, dot=dot)
     (y,) = pallas(kern, grid=(nb,), in_specs=specs, out_specs=[pl.BlockSpec((m, bn), lambda j: (0, j))],
                   out_shape=[jax.ShapeDtypeStruct((m, n), x.dtype)], args=args, num_warps=num_warps,
                   num_stages=num_stages, interpret=interpret, name="fused_gemv")
     return y.reshape(lead + (n,))
-
-
-def _norm_kernel(x_ref, w_ref, o_ref, *, eps: float):
-    x = x_ref[...].astype(jnp.float32)
-    scale = jax.lax.rsqrt(jnp.sum(x * x) / x.shape[0] + eps)
-    o_ref[...] = ((x * scale) * w_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
-
-
-def norm_supports(x_shape) -> bool:
-    """At most 16 rows (all leading axes) of a power-of-two width (one program loads a whole row)."""
-    return math.prod(x_shape[:-1]) <= MAX_ROWS and is_pow2(x_shape[-1])
-
-
-def rms_norm_rows(x: jax.Array, w: jax.Array, eps: float = 1e-5, *, interpret: bool = False) -> jax.Array:
-    """`model.rms_norm(x, w, eps)` for a few rows x [..., K] (K a power of two), one program per row."""
-    if not norm_supports(x.shape) or w.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm_rows got x {tuple(x.shape)} and w {tuple(w.shape)}; accepted: x [..., K] with "
-                         f"at most {MAX_ROWS} rows and K a power of two, w [K]")
-    m, K = math.prod(x.shape[:-1]), x.shape[-1]
-    (y,) = pallas(functools.partial(_norm_kernel, eps=float(eps)), grid=(m,),
-                  in_specs=[pl.BlockSpec((None, K), lambda i: (i, 0)), pl.BlockSpec((K,), lambda i: (0,))],
-                  out_specs=[pl.BlockSpec((None, K), lambda i: (i, 0))],
-                  out_shape=[jax.ShapeDtypeStruct((m, K), x.dtype)], args=[x.reshape(m, K), w], num_warps=4,
-                  num_stages=1, interpret=interpret, name="rms_norm_rows")
-    return y.reshape(x.shape)
 
 
 # The decode-step projections `model.forward` routes through `fused_gemv` (as residual + h @ w), with their launch
@@ -204,5 +168,3 @@ PROJECTIONS = {
 
 fused_gemv.supports = supports
 fused_gemv.projections = PROJECTIONS
-fused_gemv.rms_norm = rms_norm_rows  # the norm before the projections XLA keeps
-fused_gemv.norm_supports = norm_supports

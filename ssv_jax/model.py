@@ -232,7 +232,7 @@ def _cmp_params(lp, cfg):
 def _qkv(lp, ctx: Ctx, x):
     cfg = ctx.cfg
     B, Q, _ = x.shape
-    h = _norm(ctx, x, lp["attn_norm"])
+    h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
     if "w_qkvg" in lp:  # fused decode layout (split_layers)
         q, k, v, g = _split_fused(h, lp["w_qkvg"], _qkvg_widths(cfg))
     else:
@@ -244,44 +244,24 @@ def _qkv(lp, ctx: Ctx, x):
     return apply_rope(q, ctx.pos, ctx.inv_freq), apply_rope(k, ctx.pos, ctx.inv_freq), v, g
 
 
-def _kernel_projection(ctx: Ctx, name: str, x_shape, w, **kw) -> dict | None:
-    """The launch config of the backend's projection kernel for weight `name` when it serves it at these shapes
-    (a decode step's few rows), else None (XLA's GEMM)."""
-    fn = None if ctx.gemv is None else ctx.gemv.func
-    if fn is None or name not in fn.projections or not fn.supports(x_shape, w.shape, **kw):
-        return None
-    return fn.projections[name]
-
-
-def _norm(ctx: Ctx, x, w):
-    """`rms_norm` in one launch of the backend's norm kernel where it serves these rows (decode), else XLA's."""
-    fn = None if ctx.gemv is None else ctx.gemv.func
-    if fn is None or not fn.norm_supports(x.shape):
-        return rms_norm(x, w, ctx.cfg.norm_eps)
-    return fn.rms_norm(x, w, ctx.cfg.norm_eps, interpret=ctx.gemv.keywords["interpret"])
-
-
 def _residual_mm(ctx: Ctx, lp, name: str, h, x):
-    """x + h @ lp[name], in one launch of the backend's projection kernel where it serves it, else XLA's."""
-    opts = _kernel_projection(ctx, name, h.shape, lp[name])
-    return x + _mm(h, lp[name]) if opts is None else ctx.gemv(h, lp[name], residual=x, **opts)
+    """x + h @ lp[name], in one launch of the backend's projection kernel where it has a config for `name` and
+    supports the shapes (a decode step's few rows), else XLA's GEMM and add."""
+    w = lp[name]
+    if ctx.gemv is not None and name in ctx.gemv.func.projections and ctx.gemv.func.supports(h.shape, w.shape):
+        return ctx.gemv(h, w, residual=x, **ctx.gemv.func.projections[name])
+    return x + _mm(h, w)
 
 
 def _finish(lp, ctx: Ctx, x, o):
     cfg = ctx.cfg
     B, Q = x.shape[:2]
     x = _residual_mm(ctx, lp, "wo", o.reshape(B, Q, -1).astype(x.dtype), x)
-    h = _norm(ctx, x, lp["mlp_norm"])
-    if "w_gu" not in lp:
+    h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
+    if "w_gu" in lp:  # fused decode layout (split_layers)
+        gate, up = _split_fused(h, lp["w_gu"], [cfg.ffn, cfg.ffn])
+    else:
         gate, up = _mm(h, lp["w_gate"]), _mm(h, lp["w_up"])
-    else:  # fused decode layout (split_layers)
-        w_gu = lp["w_gu"]
-        gu = _mm(h, w_gu.reshape(w_gu.shape[0], -1))
-        opts = _kernel_projection(ctx, "w_down", gu.shape, lp["w_down"], swiglu_input=True) if w_gu.ndim == 2 \
-            else None
-        if opts is not None:  # silu(gate) * up as w_down's prologue: [gate | up] is gu's two halves
-            return ctx.gemv(gu, lp["w_down"], residual=x, swiglu_input=True, **opts)
-        gate, up = _split_columns(gu.reshape(gu.shape[:-1] + w_gu.shape[1:]), [cfg.ffn, cfg.ffn], _shards(w_gu))
     return _residual_mm(ctx, lp, "w_down", jax.nn.silu(gate) * up, x)
 
 
