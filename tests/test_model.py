@@ -54,9 +54,10 @@ def test_chunked_prefill_equals_full_sequence_and_decode_continues():
 
 @pytest.mark.parametrize("compression", ["mean", "mlp"])
 def test_decode_on_the_pallas_kernels_equals_the_reference_decode(compression):
-    """Decode steps through the Pallas path (interpret mode: the decode refresh layer and the in-place block
-    commit) give the reference decode's logits and the same cache, across several block completions, from a
-    prompt of fresh random length."""
+    """Decode steps through the Pallas path (interpret mode: the decode refresh layer, the in-place commit of the
+    new rows and blocks, the fused wo / w_down projections, with stacked weights and in the fused decode layout)
+    give the reference decode's logits and the same cache, across several block completions, from a prompt of
+    fresh random length."""
     from ssv_jax.policy import attention_for
 
     cfg = CFG.replace(compression=compression)
@@ -66,16 +67,18 @@ def test_decode_on_the_pallas_kernels_equals_the_reference_decode(compression):
     _, _, cache = M.prefill(params, cfg, np.asarray(toks[:, :P]), kvc.init_cache(cfg, 2, 256), chunk=64)
     kernel = attention_for("kernel", "A", 1, True)
     outs = {}
-    for name, attn in (("reference", nsa.nsa_attention), ("kernel", kernel)):
+    for name, prm, attn in (("reference", params, nsa.nsa_attention), ("kernel", params, kernel),
+                            ("kernel, decode layout", M.split_layers(params), kernel)):
         c, lgs = jax.tree.map(jnp.copy, cache), []
         for i in range(P, P + 20):  # 20 steps: at least one block completes (d = 8)
-            lg, _, c = M.forward(params, cfg, toks[:, i:i + 1], c, attn=attn)
+            lg, _, c = M.forward(prm, cfg, toks[:, i:i + 1], c, attn=attn)
             lgs.append(lg)
         outs[name] = (jnp.concatenate(lgs, 1), c)
-    (ref, rc), (got, gc) = outs["reference"], outs["kernel"]
-    assert _rel(got, ref) <= 1e-5
-    for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(rc)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    ref, rc = outs.pop("reference")
+    for got, gc in outs.values():
+        assert _rel(got, ref) <= 1e-5
+        for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(rc)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("compression", ["mean", "mlp"])
