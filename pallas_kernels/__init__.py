@@ -2,7 +2,7 @@
 
 `nsa_attention_kernel` is the kernel path of `ssv_jax.nsa.nsa_attention`: same signature and result (o, sel).
 Without `sel` it runs the refresh layer (compressed attention with probabilities, reference routing, grouped
-selected + window), or for one query per row the two-launch decode layer that routes inside its kernel; with
+selected + window), or for one query per row the three-launch decode layer that routes inside its kernel; with
 `sel` it runs the one-launch reuse kernel. `mode`: "A" exact merge, "B" shared index
 (approximate: attends, and returns, the first query's blocks for each group of `group_size` queries), "naive"
 per-query selected branch (the naive SD+NSA baseline).

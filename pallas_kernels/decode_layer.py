@@ -3,7 +3,7 @@
 On the generic path a decode step's refresh layer is the compressed kernel, about ten small XLA ops of routing
 glue (split combine, probabilities, block importance, forced blocks, rank top-n) and the selected + window
 kernel. With one query per KV head those glue ops cost more than both kernels together
-(docs/results/decode_profile_8k_h200.json). Here the layer is two launches and one XLA combine:
+(docs/results/decode_profile_8k_h200.json). Here the layer is three launches:
 
 1. the compressed kernel (split over compressed-block chunks) writes its split states and the masked logits
    (`compressed_launch(emit="logits")`, shifted right by one selection block's worth of columns);

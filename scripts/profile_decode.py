@@ -4,7 +4,7 @@ with the attention swapped out.
 
     python scripts/profile_decode.py --layers 4 --context 8192 --outdir $OUT
     python scripts/profile_decode.py --layers 32 --context 8192 --capacity 8448 --variants kernel_fused \
-        --trace kernel_fused --outdir $OUT --json $OUT/decode_profile.json   # the 5.72 ms configuration
+        --trace kernel_fused --outdir $OUT --json $OUT/decode_profile.json   # decode_profile_8k_h200.json
 """
 
 from __future__ import annotations

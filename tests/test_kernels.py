@@ -299,7 +299,7 @@ def test_non_dividing_shapes_and_bad_modes_are_rejected():
 def test_decode_refresh_layer_equals_nsa_attention_and_routes_identically(dtype):
     """For one query per row, at fresh random lengths from the first token to the end of a cache of several
     routing tiles (including fewer than n candidate blocks, and compressed blocks that spill across a tile),
-    the two-launch decode layer routes exactly as the reference and matches its output."""
+    the three-launch decode layer routes exactly as the reference and matches its output."""
     rng = np.random.default_rng()
     S2, B = 4096, 2  # tiny: 512 compressed blocks = two routing tiles
     H, Hq, D = CFG.n_kv_heads, CFG.n_heads, CFG.head_dim
