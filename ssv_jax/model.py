@@ -244,25 +244,29 @@ def _qkv(lp, ctx: Ctx, x):
     return apply_rope(q, ctx.pos, ctx.inv_freq), apply_rope(k, ctx.pos, ctx.inv_freq), v, g
 
 
-def _residual_mm(ctx: Ctx, lp, name: str, h, x):
-    """x + h @ lp[name], in one launch of the backend's projection kernel where it has a config for `name` and
-    supports the shapes (a decode step's few rows), else XLA's GEMM and add."""
-    w = lp[name]
-    if ctx.gemv is not None and name in ctx.gemv.func.projections and ctx.gemv.func.supports(h.shape, w.shape):
-        return ctx.gemv(h, w, residual=x, **ctx.gemv.func.projections[name])
-    return x + _mm(h, w)
+def _kernel_projection(ctx: Ctx, name: str, h, w) -> dict | None:
+    """The launch config of the backend's projection kernel for weight `name` (x + h @ w in one launch) when it
+    serves it at these shapes (a decode step's few rows), else None: XLA's GEMM and add."""
+    fn = None if ctx.gemv is None else ctx.gemv.func
+    if fn is None or name not in fn.projections or not fn.supports(h.shape, w.shape):
+        return None
+    return fn.projections[name]
 
 
 def _finish(lp, ctx: Ctx, x, o):
     cfg = ctx.cfg
     B, Q = x.shape[:2]
-    x = _residual_mm(ctx, lp, "wo", o.reshape(B, Q, -1).astype(x.dtype), x)
+    o = o.reshape(B, Q, -1).astype(x.dtype)
+    kw = _kernel_projection(ctx, "wo", o, lp["wo"])
+    x = x + _mm(o, lp["wo"]) if kw is None else ctx.gemv(o, lp["wo"], residual=x, **kw)
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
     if "w_gu" in lp:  # fused decode layout (split_layers)
         gate, up = _split_fused(h, lp["w_gu"], [cfg.ffn, cfg.ffn])
     else:
         gate, up = _mm(h, lp["w_gate"]), _mm(h, lp["w_up"])
-    return _residual_mm(ctx, lp, "w_down", jax.nn.silu(gate) * up, x)
+    a = jax.nn.silu(gate) * up
+    kw = _kernel_projection(ctx, "w_down", a, lp["w_down"])
+    return x + _mm(a, lp["w_down"]) if kw is None else ctx.gemv(a, lp["w_down"], residual=x, **kw)
 
 
 def _chunked_attn(ctx: Ctx, q_chunk: int, q, gates, k, v, kc, vc, kv_len, sel):
