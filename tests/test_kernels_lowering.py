@@ -124,3 +124,25 @@ def test_block_commit_lowers_to_one_launch_aliasing_both_compressed_stacks(with_
 def test_top_n_kernel_lowers_for_cuda_in_one_launch_per_stage():
     assert lower_for_cuda(lambda s: topn.top_n(s, 16), sds((512, 1088), jnp.float32)).count(TRITON) == 1
     assert lower_for_cuda(lambda s: topn.top_n(s, 8), sds((8, 128256), jnp.float32)).count(TRITON) == 2
+
+
+def test_an_8b_decode_step_is_six_launches_per_layer_and_three_xla_dots():
+    """`model.forward` for one token on the Pallas path, in the decode weight layout (2 layers of the 8B shape):
+    per layer the compressed kernel, `decode_refresh`, `decode_combine`, `commit_blocks` (new K/V rows and the
+    block they complete) and `fused_gemv` for wo and w_down; XLA keeps the q/k/v/gate and gate/up GEMVs (plus the
+    LM head), and no scatter or dynamic update of the caches."""
+    from ssv_jax import cache as kvc
+    from ssv_jax import model as M
+    from ssv_jax.policy import attention_for
+
+    cfg = CFG.replace(n_layers=2, feature_layers=(0, 1, 1))
+    params = jax.eval_shape(lambda: M.split_layers(M.init_params(cfg, jax.random.key(0), jnp.bfloat16)))
+    cache = jax.eval_shape(lambda: kvc.init_cache(cfg, 1, 8192 + 512, dtype=jnp.bfloat16))
+    attn = attention_for("kernel", "A", 1, False)
+    text = lower_for_cuda(lambda p, c: M.forward(p, cfg, jnp.zeros((1, 1), jnp.int32), c, attn=attn), params, cache)
+    assert text.count(TRITON) == 6 * cfg.n_layers
+    for name, per_layer in (("fused_gemv", 2), ("decode_refresh", 1), ("decode_combine", 1), ("commit_blocks", 1),
+                            ("compressed_attention", 1)):
+        assert text.count(f'name = "{name}"') == per_layer * cfg.n_layers, name
+    assert text.count("stablehlo.dot_general") == 2 * cfg.n_layers + 1
+    assert "stablehlo.scatter" not in text and "dynamic_update_slice" not in text
