@@ -58,7 +58,7 @@ def host_time(fn, *args, reps=10):
 
 OP_CATEGORIES = ("collective", "matmul", "nsa_kernel", "other")
 _NSA_KERNELS = ("compressed_attention", "grouped_verify", "naive_verify", "window_verify", "reuse_layer", "top_n",
-                "decode_refresh", "commit_blocks")
+                "decode_refresh", "decode_combine", "commit_blocks")
 
 
 def op_category(name: str) -> str:

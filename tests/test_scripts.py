@@ -163,6 +163,8 @@ def test_traced_op_classes_and_per_gpu_summary():
     names = {"ncclDevKernel_AllReduce_Sum_f32_RING_LL": "collective", "all-reduce-start.3": "collective",
              "gemm_fusion_dot_260": "matmul", "cutlass_80_tensorop_bf16_s16816gemm": "matmul",
              "compressed_attention": "nsa_kernel", "grouped_verify": "nsa_kernel", "top_n": "nsa_kernel",
+             "decode_refresh": "nsa_kernel", "decode_combine": "nsa_kernel", "commit_blocks": "nsa_kernel",
+             "fused_gemv": "matmul", "fused_gemv__1": "matmul",
              "loop_add_fusion_62": "other", "input_reduce_fusion_160": "other"}
     assert {n: op_category(n) for n in names} == names
     r = np.random.default_rng()
