@@ -234,6 +234,8 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
                                                 interpret=interpret, emit="logits",
                                                 logits_width=nt * ts + r, logits_offset=r, split_slots=slots)
     nwin = -(-(cfg.window - 1) // cfg.slc_block) + 1
+    if not is_pow2(combine_columns):
+        raise ValueError(f"combine_columns={combine_columns} is invalid; accepted: a power of two")
     if not (len(per_program) == 2 and all(isinstance(x, int) and x >= 1 for x in per_program)):
         raise ValueError(f"per_program={per_program!r} is invalid; accepted: (window blocks, selected blocks) per "
                          "program, two ints >= 1")
@@ -270,9 +272,7 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
                             num_stages=num_stages, interpret=interpret, name="decode_refresh")
     o_spec = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
                                          lambda i, e: (*bh(i), 0) + (0,) * len(shape))
-    dc = min(D, combine_columns)
-    if not (is_pow2(combine_columns) and D % dc == 0):
-        raise ValueError(f"combine_columns={combine_columns} is invalid; accepted: a power of two")
+    dc = min(D, combine_columns)  # D is a power of two (check_cfg), so dc divides it
     (o,) = pallas(functools.partial(_combine_kernel, na=na, ns=sp.nsplit), grid=(B * H, D // dc),
                   in_specs=[o_spec(slots, mp, D), o_spec(slots, mp), o_spec(slots, mp), o_spec(sp.nsplit, 2, mp, D),
                             o_spec(sp.nsplit, 2, mp), o_spec(sp.nsplit, 2, mp),

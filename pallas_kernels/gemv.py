@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import is_pow2, pallas
+from ._common import dividing_chunk, is_pow2, pallas
 
 MAX_ROWS = 16  # rows of the padded dot operand: the rows a launch handles
 
@@ -74,11 +74,12 @@ def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: 
         if norm:
             nw = nw_ref[pl.ds(k0, bk)].astype(jnp.float32)
             hs = [((h * s) * nw).astype(dt).astype(jnp.float32) for h, s in zip(hs, scale)]
+        h16 = _pad16(hs, dt) if dot else None  # shared by both weight tiles with swiglu
         out = []
         for w_ref, acc in zip(w_refs, accs):
             w = w_ref[pl.ds(k0, bk), :]
             if dot:
-                out.append(acc + plgpu.dot(_pad16(hs, dt), w.astype(dt), precision=prec))
+                out.append(acc + plgpu.dot(h16, w.astype(dt), precision=prec))
             else:
                 wf = w.astype(jnp.float32)
                 out.append(tuple(a + jnp.sum(h[:, None] * wf, axis=0) for a, h in zip(acc, hs)))
@@ -109,13 +110,6 @@ def supports(x_shape, w_shape, *, swiglu: bool = False) -> bool:
     return w_shape[0] % 16 == 0 and n % 16 == 0 and (not swiglu or w_shape[1] % 2 == 0)
 
 
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    b = cap
-    while b > 1 and n % b:
-        b //= 2
-    return b
-
-
 def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 1e-5,
                residual: jax.Array | None = None, swiglu: bool = False, block_n: int = 32, block_k: int = 256,
                dot: bool = True, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
@@ -129,14 +123,12 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
                          f"most {MAX_ROWS} rows, w [K, N] with K and N{' / 2' if swiglu else ''} multiples of 16")
     if not (is_pow2(block_n) and is_pow2(block_k) and block_n >= 16 and block_k >= 16):
         raise ValueError(f"block_n={block_n}, block_k={block_k} are invalid; accepted: powers of two >= 16")
-    if residual is not None and residual.shape[:-1] + (residual.shape[-1],) != x.shape[:-1] + (
-            w.shape[1] // (2 if swiglu else 1),):
-        raise ValueError(f"residual {tuple(residual.shape)} must match the output {x.shape[:-1]} + "
-                         f"({w.shape[1] // (2 if swiglu else 1)},)")
     lead, K = x.shape[:-1], x.shape[-1]
-    m = math.prod(lead)
     n = w.shape[1] // 2 if swiglu else w.shape[1]
-    bn, bk = _largest_pow2_divisor(n, block_n), _largest_pow2_divisor(K, block_k)
+    if residual is not None and tuple(residual.shape) != lead + (n,):
+        raise ValueError(f"residual {tuple(residual.shape)} must match the output {lead + (n,)}")
+    m = math.prod(lead)
+    bn, bk = dividing_chunk(n, "output columns", block_n), dividing_chunk(K, "K", block_k)
     nb = n // bn
     x2 = x.reshape(m, K)
     args = [x2, w] + ([w] if swiglu else [])

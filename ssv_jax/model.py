@@ -306,24 +306,26 @@ def _cmp_view(stack, li, attn):
     return _layer_view(stack, li, attn, "reads_compressed_views")
 
 
+def _backend_kernel(attn, name: str):
+    """The kernel an attention function brings as attribute `name` (looking through `functools.partial`), bound
+    to the attention's `interpret` setting; None when it brings none."""
+    fn = getattr(getattr(attn, "func", attn), name, None)
+    return None if fn is None else partial(fn, interpret=getattr(attn, "keywords", {}).get("interpret", False))
+
+
 def _block_commit(attn, cfg: ModelConfig):
     """The decode-step commit an attention function brings (attribute `commit_blocks`, e.g. the Pallas kernels':
-    for one new key per row, the scatter of the new K/V rows plus `cache.append_blocks`, in one launch), called
-    with the attention's `interpret` setting; None when it brings none or does not support this config."""
-    fn = getattr(getattr(attn, "func", attn), "commit_blocks", None)
-    if fn is None or not fn.supports(cfg, cfg.head_dim):
-        return None
-    return partial(fn, interpret=getattr(attn, "keywords", {}).get("interpret", False))
+    for one new key per row, the scatter of the new K/V rows plus `cache.append_blocks`, in one launch); None when
+    it brings none or does not support this config."""
+    fn = _backend_kernel(attn, "commit_blocks")
+    return fn if fn is not None and fn.func.supports(cfg, cfg.head_dim) else None
 
 
 def _projection_kernel(attn):
     """The fused projection kernel an attention function brings (attribute `gemv`, e.g. the Pallas kernels'
-    `fused_gemv`: residual + h @ w in one launch for a few rows), as a partial with the attention's `interpret`
-    setting; None when it brings none. Its `projections` names the weights it serves and their launch configs."""
-    fn = getattr(getattr(attn, "func", attn), "gemv", None)
-    if fn is None:
-        return None
-    return partial(fn, interpret=getattr(attn, "keywords", {}).get("interpret", False))
+    `fused_gemv`: residual + h @ w in one launch for a few rows), or None. Its `projections` names the weights
+    it serves and their launch configs."""
+    return _backend_kernel(attn, "gemv")
 
 
 def _empty_sel(cfg: ModelConfig, B: int, Q: int):
