@@ -21,7 +21,7 @@ from ssv_jax.config import ModelConfig
 from ._common import gate, poison_outputs
 from .commit_blocks import commit_blocks
 from .compressed import compressed_attention
-from .decode_layer import decode_refresh_layer
+from .decode_layer import DecodeQuery, decode_refresh_layer
 from .decode_layer import supports as _decode_supports
 from .gemv import fused_gemv
 from .grouped_verify import effective_selection, grouped_verify
@@ -43,6 +43,10 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
     place instead of receiving a per-layer copy."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid; accepted: {MODES}")
+    if isinstance(q, DecodeQuery):  # from the decode prologue (`commit_blocks`): the decode layer reads it as is
+        if mode != "naive" and _decode_supports(cfg, q.shape, extra, sel):
+            return decode_refresh_layer(q, q_pos, None, k, v, kc, vc, kv_len, cfg, interpret=interpret)
+        q, gates = q.as_arrays()
     if mode == "naive":
         if sel is None:
             o_cmp, sel = route_from_kernel(q, q_pos, kc, vc, kv_len, k.shape[1], cfg, extra, interpret=interpret)
@@ -62,9 +66,9 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
 
 nsa_attention_kernel.reads_layer_views = True  # k, v, kc, vc may be nsa.LayerKV views: read in place from the stack
 nsa_attention_kernel.reads_compressed_views = True
-nsa_attention_kernel.commit_blocks = commit_blocks  # a decode step's compressed-block append (model.forward)
+nsa_attention_kernel.commit_blocks = commit_blocks  # a decode step's prologue and block commit (model.forward)
 nsa_attention_kernel.gemv = fused_gemv  # a decode step's wo and w_down projections with the residual add
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
-           "compressed_attention", "commit_blocks", "fused_gemv", "decode_refresh_layer", "overlap_gamma",
-           "merged_sizes", "synthetic_selection", "effective_selection", "poison_outputs", "MODES"]
+           "compressed_attention", "commit_blocks", "fused_gemv", "decode_refresh_layer", "DecodeQuery",
+           "overlap_gamma", "merged_sizes", "synthetic_selection", "effective_selection", "poison_outputs", "MODES"]

@@ -37,24 +37,25 @@ def poison_outputs():
 
 
 def pallas(kernel, *, grid, in_specs, out_specs, out_shape, args, num_warps: int, num_stages: int,
-           interpret: bool, name: str):
-    """`pl.pallas_call` on the Triton lowering with explicit `CompilerParams`. Under `poison_outputs()` the
-    outputs are NaN-filled buffers passed as aliased inputs."""
+           interpret: bool, name: str, aliases: dict[int, int] | None = None):
+    """`pl.pallas_call` on the Triton lowering with explicit `CompilerParams`. `aliases` maps inputs to the
+    outputs they are updated in place as. Under `poison_outputs()` every other output is a NaN-filled buffer
+    passed as an aliased input."""
     out_shape = list(out_shape)
-    aliases = {}
+    aliases = dict(aliases or {})
     if _POISON[0]:
         def _nan(s):
             fill = jnp.nan if jnp.issubdtype(s.dtype, jnp.floating) else -(2 ** 31)
             return jnp.full(s.shape, fill, s.dtype)
-        poison = [_nan(s) for s in out_shape]
-        aliases = {len(args) + i: i for i in range(len(out_shape))}
-        in_specs = list(in_specs) + list(out_specs)
-        args = list(args) + poison
+        fresh = [i for i in range(len(out_shape)) if i not in aliases.values()]
+        n_args = len(args)
+        aliases.update({n_args + j: i for j, i in enumerate(fresh)})
+        in_specs = list(in_specs) + [out_specs[i] for i in fresh]
+        args = list(args) + [_nan(out_shape[i]) for i in fresh]
         inner = kernel
 
-        def kernel(*refs):  # noqa: F811 - drop the aliased input refs
-            n_in = len(refs) - 2 * len(out_shape)
-            return inner(*refs[:n_in], *refs[n_in + len(out_shape):])
+        def kernel(*refs):  # noqa: F811 - drop the poison input refs
+            return inner(*refs[:n_args], *refs[n_args + len(fresh):])
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases, interpret=interpret, name=name,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,29 @@ from .compressed import compressed_launch, compressed_splits
 
 TILE = 256  # compressed blocks per routing tile
 _BIG = 2 ** 30
+
+
+class DecodeQuery(NamedTuple):
+    """One decode query per batch row, already in the layout the decode layer's kernels read (as written by
+    `commit_blocks` from the fused q/k/v/gate product): `nsa_attention_kernel` takes it in place of (q, gates)."""
+    rows: jax.Array  # [B, Hkv, 1, Mp, D] roped queries of each KV head's G query heads; rows G.. are zero
+    gates: jax.Array  # [B, Hkv, 3, G] f32: the (compressed, selected, window) gates of those heads
+
+    @property
+    def shape(self) -> tuple:  # the q it stands for: [B, 1, Hq, D]
+        B, H, _, _, D = self.rows.shape
+        return (B, 1, H * self.gates.shape[-1], D)
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+    def as_arrays(self):
+        """(q [B, 1, Hq, D], gates [B, 1, Hq, 3]) for the kernels that take plain arrays."""
+        B, _, Hq, D = self.shape
+        G = self.gates.shape[-1]
+        return (self.rows[:, :, 0, :G].reshape(B, 1, Hq, D),
+                jnp.swapaxes(self.gates, -1, -2).reshape(B, 1, Hq, 3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +214,7 @@ def _combine_kernel(ca_ref, cm_ref, cl_ref, a_ref, m_ref, l_ref, g_ref, o_ref, *
     o_cmp = merge([(ca_ref[s, rows, cols], cm_ref[s, rows], cl_ref[s, rows]) for s in range(na)])
     o_slc, o_win = (merge([(a_ref[s, b, rows, cols], m_ref[s, b, rows], l_ref[s, b, rows]) for s in range(ns)])
                     for b in range(2))
-    gates = [g_ref[:, c][:, None] for c in range(3)]
+    gates = [g_ref[c, :][:, None] for c in range(3)]
     o_ref[...] = (gates[0] * o_cmp + gates[1] * o_slc + gates[2] * o_win).astype(o_ref.dtype)
 
 
@@ -212,7 +236,8 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
     no extras: returns (o [B, 1, Hq, D] in q's dtype, sel [B, 1, Hkv, n]). k, v, kc, vc may be `nsa.LayerKV`
     views. `per_program` = (window blocks, selected blocks) each program of the second launch attends: window
     programs start at once, selected ones after routing. `cmp_nsplit` splits the compressed blocks;
-    `combine_columns` is the head-dim slice each combine program merges (smaller: more, shorter programs)."""
+    `combine_columns` is the head-dim slice each combine program merges (smaller: more, shorter programs).
+    q may be a `DecodeQuery` (the decode prologue's layout; `gates` is then ignored)."""
     B, Q, Hq, D = q.shape
     H = k.shape[2]
     G = Hq // H
@@ -227,7 +252,11 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
     r = cfg.slc_block // cfg.cmp_stride
     ts = max(TILE, r)
     nt = -(-nc // ts)
-    rows = rows_of(q, H, 1, mp)  # [B, H, 1, Mp, D]
+    if isinstance(q, DecodeQuery):  # laid out by the prologue (commit_blocks)
+        rows, gates = q.rows, q.gates
+    else:
+        rows = rows_of(q, H, 1, mp)  # [B, H, 1, Mp, D]
+        gates = jnp.swapaxes(gates.astype(jnp.float32).reshape(B, H, G, 3), -1, -2)  # [B, H, 3, G]
     na, _ = compressed_splits(B * H, nc, cmp_nsplit)
     slots = next_pow2(na, minimum=1)
     acc_a, m_a, l_a, logits = compressed_launch(rows, q_pos, kc, vc, kv_len, cfg, ct=1, g=G, nsplit=cmp_nsplit,
@@ -276,9 +305,9 @@ def decode_refresh_layer(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
     (o,) = pallas(functools.partial(_combine_kernel, na=na, ns=sp.nsplit), grid=(B * H, D // dc),
                   in_specs=[o_spec(slots, mp, D), o_spec(slots, mp), o_spec(slots, mp), o_spec(sp.nsplit, 2, mp, D),
                             o_spec(sp.nsplit, 2, mp), o_spec(sp.nsplit, 2, mp),
-                            pl.BlockSpec((None, None, G, 3), lambda i, e: (i // H, 0, i % H, 0))],
+                            pl.BlockSpec((None, None, 3, G), lambda i, e: (i // H, i % H, 0, 0))],
                   out_specs=[pl.BlockSpec((None, None, G, dc), lambda i, e: (i // H, 0, i % H, e))],
                   out_shape=[jax.ShapeDtypeStruct((B, Q, Hq, D), q.dtype)],
-                  args=[acc_a, m_a, l_a, acc, m, l, gates.astype(jnp.float32)], num_warps=4, num_stages=1,
+                  args=[acc_a, m_a, l_a, acc, m, l, gates], num_warps=4, num_stages=1,
                   interpret=interpret, name="decode_combine")
     return o, sel

@@ -53,10 +53,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
     return scaled.astype(np.float32)
 
 
+def rope_cos_sin(pos: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, Q, D/2] (f32) of the RoPE angles at positions pos [B, Q]."""
+    ang = pos[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
 def apply_rope(x: jax.Array, pos: jax.Array, inv_freq) -> jax.Array:
     """Rotate-half RoPE (the HF Llama layout). x [B, Q, H, D], pos [B, Q]."""
-    ang = pos[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, Q, D/2]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    cos, sin = (a[:, :, None, :] for a in rope_cos_sin(pos, inv_freq))
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
@@ -229,6 +234,15 @@ def _cmp_params(lp, cfg):
     return (lp["cmp_wk"], lp["cmp_pek"]), (lp["cmp_wv"], lp["cmp_pev"])
 
 
+def _qkvg_product(lp, cfg: ModelConfig, x):
+    """rms_norm(x) @ [wq | wk | wv | wg]: the fused product [B, Q, N] in `_qkvg_widths` column order, for the
+    decode prologue kernel; None for a tensor-parallel layout (its product's columns are grouped by shard)."""
+    h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+    if "w_qkvg" not in lp:
+        return jnp.concatenate([_mm(h, lp[n]) for n in ("wq", "wk", "wv", "wg")], -1)
+    return _mm(h, lp["w_qkvg"]) if _shards(lp["w_qkvg"]) == 1 else None
+
+
 def _qkv(lp, ctx: Ctx, x):
     cfg = ctx.cfg
     B, Q, _ = x.shape
@@ -314,9 +328,10 @@ def _backend_kernel(attn, name: str):
 
 
 def _block_commit(attn, cfg: ModelConfig):
-    """The decode-step commit an attention function brings (attribute `commit_blocks`, e.g. the Pallas kernels':
-    for one new key per row, the scatter of the new K/V rows plus `cache.append_blocks`, in one launch); None when
-    it brings none or does not support this config."""
+    """The decode-layer prologue an attention function brings (attribute `commit_blocks`, e.g. the Pallas
+    kernels': from one new token's fused q/k/v/gate product, RoPE, the scatter of the new K/V rows,
+    `cache.append_blocks` and the query in the attention's own layout, in one launch); None when it brings none
+    or does not support this config."""
     fn = _backend_kernel(attn, "commit_blocks")
     return fn if fn is not None and fn.func.supports(cfg, cfg.head_dim) else None
 
@@ -367,7 +382,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
     ensure length + Q <= capacity (see `prefill`). Returns (logits [B, Q, V] f32, feats [B, Q, 3H], cache)."""
     B, Q = tokens.shape
     flags = sched.parse(schedule, cfg.n_layers)
-    kernel_commit = _block_commit(attn, cfg) if (Q == 1 and n_valid is None) else None
+    prologue = _block_commit(attn, cfg) if (Q == 1 and n_valid is None) else None
     n_valid = jnp.full((B,), Q, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     start = cache.length
     pos = start[:, None] + jnp.arange(Q, dtype=jnp.int32)[None, :]
@@ -375,16 +390,19 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
               _projection_kernel(attn) if Q == 1 else None)  # decode steps only: measured there
     kv_len = start + n_valid
     bidx = jnp.arange(B)[:, None]
+    rope = tuple(a[:, 0] for a in rope_cos_sin(pos, ctx.inv_freq)) if prologue is not None else None
 
     def layer(carry, xs, refresh):
         x, K, V, KC, VC, sel = carry
         lp, li = xs
-        q, k, v, g = _qkv(lp, ctx, x)
         (wk, pek), (wv, pev) = _cmp_params(lp, cfg)
-        if kernel_commit is not None:  # the new rows and the blocks they complete, in one launch
-            K, V, KC, VC = kernel_commit(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, start, cfg, wk, pek, wv,
-                                         pev, new=(k, v))
+        y = None if prologue is None else _qkvg_product(lp, cfg, x)
+        if y is not None:  # the new K/V rows, the blocks they complete and the query, in one launch
+            K, V, KC, VC, q = prologue(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, start, cfg, wk, pek, wv,
+                                       pev, qkvg=y, rope=rope)
+            g = None  # inside q (the backend's own query layout)
         else:
+            q, k, v, g = _qkv(lp, ctx, x)
             K = K.at[li, bidx, pos].set(k.astype(K.dtype), mode="drop")
             V = V.at[li, bidx, pos].set(v.astype(V.dtype), mode="drop")
             KC, VC = kvc.append_blocks(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, start, cfg, wk, pek, wv,

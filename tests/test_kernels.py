@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ssv_jax import model as M
 from ssv_jax import nsa
 from ssv_jax.config import get_config
 from pallas_kernels import (commit_blocks, compressed_attention, decode_refresh_layer, effective_selection,
@@ -353,8 +354,8 @@ COMMIT_L, COMMIT_B, COMMIT_S = 3, 4, 256
 
 
 def _commit_case(compression: str, rng):
-    """Random stacks [L, B, S, Hkv, D] (K, V, KC, VC), MLP compression parameters (or Nones), new K/V rows
-    [B, 1, Hkv, D], positions of two rows that complete a block, and a random layer."""
+    """Random stacks [L, B, S, Hkv, D] (K, V, KC, VC), MLP compression parameters (or Nones), a new token's fused
+    q/k/v/gate product [B, 1, N], positions of two rows that complete a block, and a random layer."""
     cfg = CFG.replace(compression=compression)
     L, B, S2, H, D, l, d = COMMIT_L, COMMIT_B, COMMIT_S, cfg.n_kv_heads, cfg.head_dim, cfg.cmp_len, cfg.cmp_stride
     ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 10)
@@ -362,9 +363,9 @@ def _commit_case(compression: str, rng):
     w = (jax.random.normal(ks[4], (H, l, D, D)) / D, jax.random.normal(ks[5], (H, l, D)),
          jax.random.normal(ks[6], (H, l, D, D)) / D, jax.random.normal(ks[7], (H, l, D))) \
         if compression == "mlp" else (None,) * 4
-    new = tuple(jax.random.normal(ks[8 + i], (B, 1, H, D)) for i in range(2))
+    qkvg = jax.random.normal(ks[8], (B, 1, sum(M._qkvg_widths(cfg))))
     completing = l - 1 + d * rng.integers(0, (S2 - l) // d + 1, 2)
-    return cfg, stacks, w, new, completing, jnp.int32(int(rng.integers(L)))
+    return cfg, stacks, w, qkvg, completing, jnp.int32(int(rng.integers(L)))
 
 
 @pytest.mark.parametrize("compression", ["mlp", "mean"])
@@ -389,32 +390,45 @@ def test_commit_blocks_appends_exactly_the_completed_blocks_and_touches_nothing_
 
 
 @pytest.mark.parametrize("compression", ["mlp", "mean"])
-def test_commit_blocks_with_new_rows_equals_scattering_them_then_committing(compression):
-    """With the new key/value rows given, one launch writes them at `pos` into the K/V stacks (a row past the
-    cache is dropped) and commits the blocks they complete: equal to XLA's scatter of the rows followed by
-    `cache.append_blocks`, on every element of all four stacks."""
+@pytest.mark.parametrize("features_per_program", [4, 16])  # a slice of one RoPE half per program; the whole head
+def test_the_decode_prologue_equals_rope_scatter_commit_and_the_query_layout(compression, features_per_program):
+    """Given a new token's fused q/k/v/gate product, one launch writes its roped key and its value at `pos` into
+    the K/V stacks (a row past the cache is dropped) and commits the blocks they complete, equal to XLA's RoPE,
+    scatter and `cache.append_blocks` on every element of all four stacks; and it returns the roped query and
+    the sigmoid gates, equal to `model.apply_rope` and `jax.nn.sigmoid` of the product's columns."""
     from ssv_jax import cache as kvc
 
     rng = np.random.default_rng()
-    cfg, (K, V, KC, VC), w, (kn, vn), completing, li = _commit_case(compression, rng)
+    cfg, (K, V, KC, VC), w, y, completing, li = _commit_case(compression, rng)
+    B, H, Hq, D = COMMIT_B, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
     pos = jnp.asarray(np.concatenate([completing, [COMMIT_S, int(rng.integers(0, COMMIT_S))]]), jnp.int32)
-    rows = jnp.arange(COMMIT_B)
-    ref_k = K.at[li, rows, pos].set(kn[:, 0], mode="drop")
-    ref_v = V.at[li, rows, pos].set(vn[:, 0], mode="drop")
+    inv_freq = M.rope_inv_freq(D, cfg.rope_theta, cfg.rope_scaling)
+    q, k, v, g = M._split_columns(y, M._qkvg_widths(cfg), 1)
+    q, k = (M.apply_rope(a.reshape(B, 1, -1, D), pos[:, None], inv_freq) for a in (q, k))
+    rows = jnp.arange(B)
+    ref_k = K.at[li, rows, pos].set(k[:, 0], mode="drop")
+    ref_v = V.at[li, rows, pos].set(v.reshape(B, H, D), mode="drop")
     ref_kc, ref_vc = kvc.append_blocks(nsa.LayerKV(ref_k, li), nsa.LayerKV(ref_v, li), KC, VC, pos, cfg, *w)
-    got = commit_blocks(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, pos, cfg, *w, new=(kn, vn),
-                        interpret=True)
+    cos, sin = M.rope_cos_sin(pos[:, None], inv_freq)
+    with poison_outputs():
+        *got, query = commit_blocks(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, pos, cfg, *w, qkvg=y,
+                                    rope=(cos[:, 0], sin[:, 0]), features_per_program=features_per_program,
+                                    interpret=True)
     for a, b in zip(got, (ref_k, ref_v, ref_kc, ref_vc)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    got_q, got_g = query.as_arrays()
+    np.testing.assert_allclose(got_q, q, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_g, jax.nn.sigmoid(g).reshape(B, 1, Hq, 3), rtol=1e-6)
+    assert (query.rows[:, :, :, Hq // H:] == 0).all()  # the row tile's padding (poisoned before the launch)
 
 
-def test_commit_blocks_rejects_new_rows_of_the_wrong_shape():
+def test_the_decode_prologue_rejects_a_product_of_the_wrong_shape():
     K = jnp.zeros((2, 1, 64, CFG.n_kv_heads, CFG.head_dim))
     KC = jnp.zeros((2, 1, 64 // CFG.cmp_stride, CFG.n_kv_heads, CFG.head_dim))
-    bad = jnp.zeros((1, 2, CFG.n_kv_heads, CFG.head_dim))
-    with pytest.raises(ValueError, match="new rows"):
+    rope = (jnp.zeros((1, CFG.head_dim // 2)),) * 2
+    with pytest.raises(ValueError, match=r"qkvg \(1, 1, 100\).*accepted: qkvg \[B, 1, N\] = \(1, 1, 140\)"):
         commit_blocks(nsa.LayerKV(K, 0), nsa.LayerKV(K, 0), KC, KC, jnp.zeros((1,), jnp.int32), CFG,
-                      new=(bad, bad), interpret=True)
+                      qkvg=jnp.zeros((1, 1, 100)), rope=rope, interpret=True)
 
 
 # -- stacked caches read in place ------------------------------------------------------------------------------

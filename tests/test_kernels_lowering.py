@@ -102,23 +102,25 @@ def test_a_decode_step_refresh_layer_is_three_launches_routing_inside_the_second
     assert "top_k" not in text.lower() and "stablehlo.exponential" not in text
 
 
-@pytest.mark.parametrize("with_rows", [False, True])
-def test_block_commit_lowers_to_one_launch_aliasing_both_compressed_stacks(with_rows):
-    """The decode step's block commit: one Triton call for K and V, writing the [L, ...] stacks in place; given
-    the new K/V rows it writes those into the K/V stacks in the same launch (no XLA scatter or update)."""
+@pytest.mark.parametrize("prologue", [False, True])
+def test_block_commit_lowers_to_one_launch_aliasing_both_compressed_stacks(prologue):
+    """The decode step's block commit: one Triton call for K and V, writing the [L, ...] stacks in place; as the
+    decode prologue (given the new token's fused q/k/v/gate product) it also writes the roped K/V rows into the
+    stacks and the query and gates in the same launch (no XLA scatter, update, RoPE or sigmoid)."""
     L, s = 4, 8192 + 256
     st = lambda n: sds((L, 1, n, H, D))  # noqa: E731
     w, pe = sds((H, CFG.cmp_len, D, D)), sds((H, CFG.cmp_len, D))
-    row = sds((1, 1, H, D))
+    n_qkvg = HQ * D + 2 * H * D + 3 * HQ
 
-    def fn(k, v, kc, vc, pos, li, w, pe, kn, vn):
+    def fn(k, v, kc, vc, pos, li, w, pe, y, cos, sin):
         return commit_blocks(nsa.LayerKV(k, li), nsa.LayerKV(v, li), kc, vc, pos, CFG, w, pe, w, pe,
-                             new=(kn, vn) if with_rows else None)
+                             **(dict(qkvg=y, rope=(cos, sin)) if prologue else {}))
 
     text = lower_for_cuda(fn, st(s), st(s), st(s // 16), st(s // 16), sds((1,), jnp.int32), sds((), jnp.int32),
-                          w, pe, row, row)
+                          w, pe, sds((1, 1, n_qkvg)), sds((1, D // 2), jnp.float32), sds((1, D // 2), jnp.float32))
     assert text.count(TRITON) == 1 and "commit_blocks" in text
     assert "scatter" not in text and "dynamic_slice" not in text and "dynamic_update_slice" not in text
+    assert "stablehlo.logistic" not in text and "stablehlo.cosine" not in text
 
 
 def test_top_n_kernel_lowers_for_cuda_in_one_launch_per_stage():
@@ -128,9 +130,10 @@ def test_top_n_kernel_lowers_for_cuda_in_one_launch_per_stage():
 
 def test_an_8b_decode_step_is_six_launches_per_layer_and_three_xla_dots():
     """`model.forward` for one token on the Pallas path, in the decode weight layout (2 layers of the 8B shape):
-    per layer the compressed kernel, `decode_refresh`, `decode_combine`, `commit_blocks` (new K/V rows and the
-    block they complete) and `fused_gemv` for wo and w_down; XLA keeps the q/k/v/gate and gate/up GEMVs (plus the
-    LM head), and no scatter or dynamic update of the caches."""
+    per layer the compressed kernel, `decode_refresh`, `decode_combine`, `commit_blocks` (the prologue: RoPE, the
+    new K/V rows, the block they complete, the query rows and gates) and `fused_gemv` for wo and w_down; XLA
+    keeps the q/k/v/gate and gate/up GEMVs (plus the LM head) and computes the RoPE angles once per step: no
+    scatter or dynamic update of the caches, no per-layer RoPE, query padding or sigmoid."""
     from ssv_jax import cache as kvc
     from ssv_jax import model as M
     from ssv_jax.policy import attention_for
@@ -146,3 +149,7 @@ def test_an_8b_decode_step_is_six_launches_per_layer_and_three_xla_dots():
         assert text.count(f'name = "{name}"') == per_layer * cfg.n_layers, name
     assert text.count("stablehlo.dot_general") == 2 * cfg.n_layers + 1
     assert "stablehlo.scatter" not in text and "dynamic_update_slice" not in text
+    assert text.count("stablehlo.cosine") == 1  # the step's RoPE angles
+    lines = text.splitlines()
+    assert not [x for x in lines if "stablehlo.logistic" in x and "f32" in x]  # the gates' (SwiGLU's silu is bf16)
+    assert not [x for x in lines if "stablehlo.pad" in x and "bf16" in x]  # the query rows' padding

@@ -54,31 +54,37 @@ def test_chunked_prefill_equals_full_sequence_and_decode_continues():
 
 @pytest.mark.parametrize("compression", ["mean", "mlp"])
 def test_decode_on_the_pallas_kernels_equals_the_reference_decode(compression):
-    """Decode steps through the Pallas path (interpret mode: the decode refresh layer, the in-place commit of the
-    new rows and blocks, the fused wo / w_down projections, with stacked weights and in the fused decode layout)
-    give the reference decode's logits and the same cache, across several block completions, from a prompt of
-    fresh random length."""
+    """Decode steps through the Pallas path (interpret mode: the decode prologue writing the new rows, blocks,
+    query and gates, the decode refresh layer, the fused wo / w_down projections; with stacked weights and in the
+    fused decode layout, and with reuse layers taking the prologue's query as plain arrays) give the reference
+    decode's logits and the same cache, across several block completions, from a prompt of fresh random
+    length."""
     from ssv_jax.policy import attention_for
 
     cfg = CFG.replace(compression=compression)
     params = M.init_params(cfg, jax.random.key(5))
-    P = int(np.random.default_rng().integers(40, 120))
+    P = int(np.random.default_rng().integers(150, 193))
     toks = jax.random.randint(jax.random.key(P), (2, P + 20), 0, cfg.vocab_size)
     _, _, cache = M.prefill(params, cfg, np.asarray(toks[:, :P]), kvc.init_cache(cfg, 2, 256), chunk=64)
     kernel = attention_for("kernel", "A", 1, True)
     outs = {}
-    for name, prm, attn in (("reference", params, nsa.nsa_attention), ("kernel", params, kernel),
-                            ("kernel, decode layout", M.split_layers(params), kernel)):
+    for name, prm, attn, schedule in (("reference", params, nsa.nsa_attention, None),
+                                      ("kernel", params, kernel, None),
+                                      ("kernel, decode layout", M.split_layers(params), kernel, None),
+                                      ("reference", params, nsa.nsa_attention, 2),
+                                      ("kernel, decode layout", M.split_layers(params), kernel, 2)):
         c, lgs = jax.tree.map(jnp.copy, cache), []
         for i in range(P, P + 20):  # 20 steps: at least one block completes (d = 8)
-            lg, _, c = M.forward(prm, cfg, toks[:, i:i + 1], c, attn=attn)
+            lg, _, c = M.forward(prm, cfg, toks[:, i:i + 1], c, attn=attn, schedule=schedule)
             lgs.append(lg)
-        outs[name] = (jnp.concatenate(lgs, 1), c)
-    ref, rc = outs.pop("reference")
-    for got, gc in outs.values():
-        assert _rel(got, ref) <= 1e-5
+        outs[name, schedule] = (jnp.concatenate(lgs, 1), c)
+    for (name, schedule), (got, gc) in outs.items():
+        ref, rc = outs["reference", schedule]
+        assert _rel(got, ref) <= 1e-5, (name, schedule)
         for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(rc)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # past n selected blocks of context, reuse layers (inheriting the selection) change the model
+    assert _rel(outs["reference", 2][0], outs["reference", None][0]) > 1e-3
 
 
 @pytest.mark.parametrize("compression", ["mean", "mlp"])
