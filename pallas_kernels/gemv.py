@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from ._common import dividing_chunk, is_pow2, pallas
 
 MAX_ROWS = 16  # rows of the padded dot operand: the rows a launch handles
+NORM_CHUNK = 4096  # columns of x per load of the RMSNorm pass
 
 
 def _rows(x_ref, m: int, k0, bk: int):
@@ -52,7 +53,8 @@ def _row_of(acc, r: int):
     return jnp.sum(jnp.where(rid == r, acc, 0.0), axis=0)
 
 
-def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: bool, swiglu: bool, dot: bool):
+def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: bool, swiglu: bool, dot: bool,
+            nk: bool):
     refs = list(refs)
     x_ref, w_refs = refs.pop(0), [refs.pop(0) for _ in range(1 + swiglu)]
     nw_ref = refs.pop(0) if norm else None
@@ -62,11 +64,15 @@ def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: 
     bn = o_ref.shape[-1]
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
 
-    if norm:  # 1 / rms of each row
+    if norm:  # 1 / rms of each row, from loads of up to NORM_CHUNK columns (one for a 4096-wide row): a chunk
+        # loop of block_k would put its load latencies in series before the first weight tile is used
+        K = n_k * bk
+        nc = dividing_chunk(K, "K", NORM_CHUNK)
+
         def sumsq(i, ss):
-            return tuple(s + jnp.sum(h * h) for s, h in zip(ss, _rows(x_ref, m, pl.multiple_of(i * bk, bk), bk)))
-        ss = jax.lax.fori_loop(0, n_k, sumsq, tuple(jnp.float32(0) for _ in range(m)))
-        scale = [jax.lax.rsqrt(s / (n_k * bk) + eps) for s in ss]
+            return tuple(s + jnp.sum(h * h) for s, h in zip(ss, _rows(x_ref, m, pl.multiple_of(i * nc, nc), nc)))
+        ss = jax.lax.fori_loop(0, K // nc, sumsq, tuple(jnp.float32(0) for _ in range(m)))
+        scale = [jax.lax.rsqrt(s / K + eps) for s in ss]
 
     def body(i, accs):
         k0 = pl.multiple_of(i * bk, bk)
@@ -77,12 +83,13 @@ def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: 
         h16 = _pad16(hs, dt) if dot else None  # shared by both weight tiles with swiglu
         out = []
         for w_ref, acc in zip(w_refs, accs):
-            w = w_ref[pl.ds(k0, bk), :]
+            w = w_ref[:, pl.ds(k0, bk)] if nk else w_ref[pl.ds(k0, bk), :]  # [bn, bk] or [bk, bn]
             if dot:
-                out.append(acc + plgpu.dot(h16, w.astype(dt), precision=prec))
+                out.append(acc + plgpu.dot(h16, w.astype(dt), trans_b=nk, precision=prec))
             else:
                 wf = w.astype(jnp.float32)
-                out.append(tuple(a + jnp.sum(h[:, None] * wf, axis=0) for a, h in zip(acc, hs)))
+                kx = 1 if nk else 0
+                out.append(tuple(a + jnp.sum(jnp.expand_dims(h, 1 - kx) * wf, axis=kx) for a, h in zip(acc, hs)))
         return tuple(out)
 
     zero = jnp.zeros((MAX_ROWS, bn), jnp.float32) if dot else tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m))
@@ -100,31 +107,36 @@ def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: 
         o_ref[r, :] = y.astype(o_ref.dtype)
 
 
-def supports(x_shape, w_shape, *, swiglu: bool = False) -> bool:
-    """Rows (all leading axes of x) <= 16, a 2-D weight [K, N] whose contraction K is a multiple of 16 and whose
-    output columns (per half with swiglu) are a multiple of 16."""
+def supports(x_shape, w_shape, *, swiglu: bool = False, transposed: bool = False) -> bool:
+    """Rows (all leading axes of x) <= 16, a 2-D weight [K, N] ([N, K] when `transposed`) whose contraction K is
+    a multiple of 16 and whose output columns (per half with swiglu) are a multiple of 16."""
     rows = math.prod(x_shape[:-1])
-    if len(w_shape) != 2 or rows > MAX_ROWS or x_shape[-1] != w_shape[0]:
+    if len(w_shape) != 2 or rows > MAX_ROWS:
         return False
-    n = w_shape[1] // 2 if swiglu else w_shape[1]
-    return w_shape[0] % 16 == 0 and n % 16 == 0 and (not swiglu or w_shape[1] % 2 == 0)
+    K, N = w_shape[::-1] if transposed else w_shape
+    n = N // 2 if swiglu else N
+    return x_shape[-1] == K and K % 16 == 0 and n % 16 == 0 and (not swiglu or N % 2 == 0)
 
 
 def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 1e-5,
                residual: jax.Array | None = None, swiglu: bool = False, block_n: int = 32, block_k: int = 256,
-               dot: bool = True, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+               dot: bool = True, num_warps: int = 4, num_stages: int = 3, transposed: bool = False,
+               interpret: bool = False) -> jax.Array:
     """One-launch projection of a few rows: x [..., K] times w [K, N] with the optional fused steps of the
-    module docstring. Returns [..., N] (or [..., N / 2] with `swiglu`) in x's dtype.
+    module docstring. Returns [..., N] (or [..., N / 2] with `swiglu`) in x's dtype. With `transposed`, w is
+    stored as [N, K] (each output column's weights contiguous); the product is the same x @ w.T.
 
     `block_n` / `block_k` are caps: the launch uses the largest powers of two within them that divide the
     output columns and K."""
-    if not supports(x.shape, w.shape, swiglu=swiglu):
+    if not supports(x.shape, w.shape, swiglu=swiglu, transposed=transposed):
         raise ValueError(f"fused_gemv got x {tuple(x.shape)} and w {tuple(w.shape)}; accepted: x [..., K] with at "
-                         f"most {MAX_ROWS} rows, w [K, N] with K and N{' / 2' if swiglu else ''} multiples of 16")
+                         f"most {MAX_ROWS} rows, w {'[N, K]' if transposed else '[K, N]'} with K and "
+                         f"N{' / 2' if swiglu else ''} multiples of 16")
     if not (is_pow2(block_n) and is_pow2(block_k) and block_n >= 16 and block_k >= 16):
         raise ValueError(f"block_n={block_n}, block_k={block_k} are invalid; accepted: powers of two >= 16")
     lead, K = x.shape[:-1], x.shape[-1]
-    n = w.shape[1] // 2 if swiglu else w.shape[1]
+    N = w.shape[0] if transposed else w.shape[1]
+    n = N // 2 if swiglu else N
     if residual is not None and tuple(residual.shape) != lead + (n,):
         raise ValueError(f"residual {tuple(residual.shape)} must match the output {lead + (n,)}")
     m = math.prod(lead)
@@ -132,9 +144,11 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
     nb = n // bn
     x2 = x.reshape(m, K)
     args = [x2, w] + ([w] if swiglu else [])
-    specs = [pl.BlockSpec((m, K), lambda j: (0, 0)), pl.BlockSpec((K, bn), lambda j: (0, j))]
-    if swiglu:
-        specs.append(pl.BlockSpec((K, bn), lambda j: (0, j + nb)))
+    if transposed:
+        w_spec = lambda off: pl.BlockSpec((bn, K), lambda j: (j + off, 0))  # noqa: E731
+    else:
+        w_spec = lambda off: pl.BlockSpec((K, bn), lambda j: (0, j + off))  # noqa: E731
+    specs = [pl.BlockSpec((m, K), lambda j: (0, 0)), w_spec(0)] + ([w_spec(nb)] if swiglu else [])
     if norm is not None:
         args.append(norm)
         specs.append(pl.BlockSpec((K,), lambda j: (0,)))
@@ -142,19 +156,21 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
         args.append(residual.reshape(m, n))
         specs.append(pl.BlockSpec((m, bn), lambda j: (0, j)))
     kern = functools.partial(_kernel, m=m, bk=bk, n_k=K // bk, norm=norm is not None, eps=float(eps),
-                             residual=residual is not None, swiglu=swiglu, dot=dot)
+                             residual=residual is not None, swiglu=swiglu, dot=dot, nk=transposed)
     (y,) = pallas(kern, grid=(nb,), in_specs=specs, out_specs=[pl.BlockSpec((m, bn), lambda j: (0, j))],
                   out_shape=[jax.ShapeDtypeStruct((m, n), x.dtype)], args=args, num_warps=num_warps,
                   num_stages=num_stages, interpret=interpret, name="fused_gemv")
     return y.reshape(lead + (n,))
 
 
-# The decode-step projections `model.forward` routes through `fused_gemv` (as residual + h @ w), with their launch
-# configs: the ones where one fused launch beats XLA's split-K GEMV and the add after it at the 8B shapes
-# (scripts/tune_gemv.py, docs/results/gemv_h200.json). q/k/v/gate and gate/up stay with XLA, whose GEMVs were
-# faster there even counting the RMSNorm pass this kernel would fuse.
+# The decode-step projections `model.forward` routes through `fused_gemv`, with their launch configs (tuned at the
+# 8B shapes: scripts/tune_gemv.py, docs/results/gemv_h200.json). q/k/v/gate (the fused `w_qkvg`) and gate/up
+# (`w_gu`) take their RMSNorm as the prologue, gate/up its SwiGLU as the epilogue; wo and w_down take the
+# residual add. Each beat XLA's GEMV plus the fusions around it there.
 PROJECTIONS = {
+    "w_qkvg": dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
     "wo": dict(block_n=32, block_k=256, num_warps=4, num_stages=4),
+    "w_gu": dict(block_n=64, block_k=256, num_warps=8, num_stages=2),
     "w_down": dict(block_n=64, block_k=512, num_warps=4, num_stages=4),
 }
 

@@ -75,6 +75,8 @@ def main():
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--dot", type=int, nargs="+", default=[1, 0], help="1: tensor-core dot, 0: CUDA-core reduce")
+    ap.add_argument("--layout", nargs="+", default=["kn", "nk"], choices=["kn", "nk"],
+                    help="weight storage: kn = [K, N] (the model's), nk = [N, K] (fused_gemv(transposed=True))")
     ap.add_argument("--xla-only", action="store_true", help="time XLA's fusions only (e.g. under other XLA_FLAGS)")
     ap.add_argument("--out", default="gemv.json")
     args = ap.parse_args()
@@ -91,6 +93,7 @@ def main():
         n_out = N // 2 if kw.get("swiglu") else N
         ks = jax.random.split(jax.random.fold_in(key, hash(name) % 1000), args.layers + 3)
         ws = [(jax.random.normal(k, (K, N), jnp.float32) * K ** -0.5).astype(dt) for k in ks[:args.layers]]
+        stored = {"kn": ws, "nk": [jnp.asarray(w.T) for w in ws] if "nk" in args.layout else None}
         x = jax.random.normal(ks[-3], (1, 1, K), jnp.float32).astype(dt)
         nw = (1 + 0.1 * jax.random.normal(ks[-2], (K,))).astype(dt)
         r = jax.random.normal(ks[-1], (1, 1, n_out), jnp.float32).astype(dt)
@@ -104,20 +107,21 @@ def main():
         row = {"K": K, "N": N, "weight_GB": gbytes, "xla_us": t_xla * 1e6, "xla_TBps": gbytes / t_xla / 1e3,
                "configs": []}
         print(f"{name}: XLA {t_xla * 1e6:.1f} us ({gbytes / t_xla / 1e3:.2f} TB/s)", flush=True)
-        grid = [] if args.xla_only else itertools.product(args.dot, args.block_n, args.block_k, args.warps, args.stages)
-        for d, bn, bk, nwp, ns in grid:
+        grid = [] if args.xla_only else itertools.product(args.layout, args.dot, args.block_n, args.block_k,
+                                                          args.warps, args.stages)
+        for lay, d, bn, bk, nwp, ns in grid:
             if not d and ns > 2:
                 continue
-            opts = dict(dot=bool(d), block_n=bn, block_k=bk, num_warps=nwp, num_stages=ns)
+            opts = dict(dot=bool(d), block_n=bn, block_k=bk, num_warps=nwp, num_stages=ns, transposed=lay == "nk")
 
             def fused(x, w, nw, r, opts=opts):
                 return fused_gemv(x, w, norm=nw if kw.get("norm") else None, eps=EPS,
                                   residual=r if kw.get("residual") else None, swiglu=kw.get("swiglu", False), **opts)
 
             try:
-                y = jax.jit(fused)(x, ws[0], nw, r).astype(jnp.float32)
+                y = jax.jit(fused)(x, stored[lay][0], nw, r).astype(jnp.float32)
                 err = float(jnp.max(jnp.abs(y - y_ref)) / (jnp.max(jnp.abs(y_ref)) + 1e-6))
-                t = time_calls(many(fused), (x, ws, nw, r), args.reps) / args.layers
+                t = time_calls(many(fused), (x, stored[lay], nw, r), args.reps) / args.layers
             except Exception as e:  # noqa: BLE001 - a config the compiler rejects is reported, not fatal
                 row["configs"].append({**opts, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 print(name, opts, "error", type(e).__name__, flush=True)

@@ -234,13 +234,23 @@ def _cmp_params(lp, cfg):
     return (lp["cmp_wk"], lp["cmp_pek"]), (lp["cmp_wv"], lp["cmp_pev"])
 
 
-def _qkvg_product(lp, cfg: ModelConfig, x):
-    """rms_norm(x) @ [wq | wk | wv | wg]: the fused product [B, Q, N] in `_qkvg_widths` column order, for the
-    decode prologue kernel; None for a tensor-parallel layout (its product's columns are grouped by shard)."""
-    h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+QKVG = FUSED_PROJECTIONS["w_qkvg"]  # the q/k/v/gate projections, in `_qkvg_widths` column order
+
+
+def _qkvg_product(lp, ctx: Ctx, x):
+    """rms_norm(x) @ [wq | wk | wv | wg]: the fused product [B, Q, N] in `_qkvg_widths` column order (in one
+    launch, norm included, where the backend's projection kernel serves `w_qkvg`); None for a tensor-parallel
+    layout (its product's columns are grouped by shard)."""
+    cfg = ctx.cfg
     if "w_qkvg" not in lp:
-        return jnp.concatenate([_mm(h, lp[n]) for n in ("wq", "wk", "wv", "wg")], -1)
-    return _mm(h, lp["w_qkvg"]) if _shards(lp["w_qkvg"]) == 1 else None
+        h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+        return jnp.concatenate([_mm(h, lp[n]) for n in QKVG], -1)
+    if _shards(lp["w_qkvg"]) > 1:
+        return None
+    kw = _kernel_projection(ctx, "w_qkvg", x, lp["w_qkvg"])
+    if kw is not None:
+        return ctx.gemv(x, lp["w_qkvg"], norm=lp["attn_norm"], eps=cfg.norm_eps, **kw)
+    return _mm(rms_norm(x, lp["attn_norm"], cfg.norm_eps), lp["w_qkvg"])
 
 
 def _qkv(lp, ctx: Ctx, x):
@@ -250,7 +260,7 @@ def _qkv(lp, ctx: Ctx, x):
     if "w_qkvg" in lp:  # fused decode layout (split_layers)
         q, k, v, g = _split_fused(h, lp["w_qkvg"], _qkvg_widths(cfg))
     else:
-        q, k, v, g = (_mm(h, lp[n]) for n in ("wq", "wk", "wv", "wg"))
+        q, k, v, g = (_mm(h, lp[n]) for n in QKVG)
     q = q.reshape(B, Q, cfg.n_heads, cfg.head_dim)
     k = k.reshape(B, Q, cfg.n_kv_heads, cfg.head_dim)
     v = v.reshape(B, Q, cfg.n_kv_heads, cfg.head_dim)
@@ -258,11 +268,12 @@ def _qkv(lp, ctx: Ctx, x):
     return apply_rope(q, ctx.pos, ctx.inv_freq), apply_rope(k, ctx.pos, ctx.inv_freq), v, g
 
 
-def _kernel_projection(ctx: Ctx, name: str, h, w) -> dict | None:
-    """The launch config of the backend's projection kernel for weight `name` (x + h @ w in one launch) when it
-    serves it at these shapes (a decode step's few rows), else None: XLA's GEMM and add."""
+def _kernel_projection(ctx: Ctx, name: str, h, w, swiglu: bool = False) -> dict | None:
+    """The launch config of the backend's projection kernel for weight `name` (one launch with its neighbours:
+    the RMSNorm before, the SwiGLU or residual add after) when it serves it at these shapes (a decode step's few
+    rows), else None: XLA's GEMM and separate fusions."""
     fn = None if ctx.gemv is None else ctx.gemv.func
-    if fn is None or name not in fn.projections or not fn.supports(h.shape, w.shape):
+    if fn is None or name not in fn.projections or not fn.supports(h.shape, w.shape, swiglu=swiglu):
         return None
     return fn.projections[name]
 
@@ -273,12 +284,16 @@ def _finish(lp, ctx: Ctx, x, o):
     o = o.reshape(B, Q, -1).astype(x.dtype)
     kw = _kernel_projection(ctx, "wo", o, lp["wo"])
     x = x + _mm(o, lp["wo"]) if kw is None else ctx.gemv(o, lp["wo"], residual=x, **kw)
-    h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
-    if "w_gu" in lp:  # fused decode layout (split_layers)
-        gate, up = _split_fused(h, lp["w_gu"], [cfg.ffn, cfg.ffn])
+    kw = _kernel_projection(ctx, "w_gu", x, lp["w_gu"], swiglu=True) if "w_gu" in lp else None
+    if kw is not None:  # norm, gate/up GEMV and SwiGLU in one launch
+        a = ctx.gemv(x, lp["w_gu"], norm=lp["mlp_norm"], eps=cfg.norm_eps, swiglu=True, **kw)
     else:
-        gate, up = _mm(h, lp["w_gate"]), _mm(h, lp["w_up"])
-    a = jax.nn.silu(gate) * up
+        h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
+        if "w_gu" in lp:  # fused decode layout (split_layers)
+            gate, up = _split_fused(h, lp["w_gu"], [cfg.ffn, cfg.ffn])
+        else:
+            gate, up = _mm(h, lp["w_gate"]), _mm(h, lp["w_up"])
+        a = jax.nn.silu(gate) * up
     kw = _kernel_projection(ctx, "w_down", a, lp["w_down"])
     return x + _mm(a, lp["w_down"]) if kw is None else ctx.gemv(a, lp["w_down"], residual=x, **kw)
 
@@ -396,7 +411,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: kvc.KVCache, n_valid=None, 
         x, K, V, KC, VC, sel = carry
         lp, li = xs
         (wk, pek), (wv, pev) = _cmp_params(lp, cfg)
-        y = None if prologue is None else _qkvg_product(lp, cfg, x)
+        y = None if prologue is None else _qkvg_product(lp, ctx, x)
         if y is not None:  # the new K/V rows, the blocks they complete and the query, in one launch
             K, V, KC, VC, q = prologue(nsa.LayerKV(K, li), nsa.LayerKV(V, li), KC, VC, start, cfg, wk, pek, wv,
                                        pev, qkvg=y, rope=rope)

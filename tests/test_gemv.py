@@ -36,13 +36,17 @@ def _close(got, ref, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("dot", [True, False])
-def test_fused_gemv_equals_the_model_projections(dtype, dot):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fused_gemv_equals_the_model_projections(dtype, dot, transposed):
     """Norm prologue, SwiGLU and residual epilogue each equal the model's XLA composition, for a fresh random
-    number of rows (1..16) and block sizes that leave several column tiles and contraction steps."""
+    number of rows (1..16) and block sizes that leave several column tiles and contraction steps; with the
+    weight stored [K, N] or transposed [N, K]."""
     rng = np.random.default_rng()
     rows, K, N = int(rng.integers(1, 17)), 128, 96
     x, w, nw, r = _inputs(rows, K, 2 * N, dtype, int(rng.integers(1 << 30)))
-    run = lambda *a, **kw: fused_gemv(*a, dot=dot, block_n=16, block_k=32, interpret=True, **kw)  # noqa: E731
+    lay = (lambda a: a.T) if transposed else (lambda a: a)  # noqa: E731
+    run = lambda x, w, **kw: fused_gemv(x, lay(w), dot=dot, block_n=16, block_k=32,  # noqa: E731
+                                        transposed=transposed, interpret=True, **kw)
     with poison_outputs():
         normed = run(x, w[:, :N], norm=nw, eps=EPS)
         swiglu = run(x, w, norm=nw, eps=EPS, swiglu=True)
@@ -71,12 +75,26 @@ def test_fused_gemv_rejects_a_residual_of_the_wrong_shape():
         fused_gemv(jnp.zeros((1, 64)), jnp.zeros((64, 32)), residual=jnp.zeros((1, 16)), interpret=True)
 
 
+def _decode_projection(cfg, name: str):
+    """(x rows' K, w [K, N], the fused steps) of projection `name` as `model.forward` calls it in a decode step
+    of the fused layout."""
+    H, F = cfg.hidden, cfg.ffn
+    return {"w_qkvg": (H, (H, sum(M._qkvg_widths(cfg))), dict(norm=sds((H,)))),
+            "wo": (cfg.n_heads * cfg.head_dim, (cfg.n_heads * cfg.head_dim, H), dict(residual=sds((1, 1, H)))),
+            "w_gu": (H, (H, 2 * F), dict(norm=sds((H,)), swiglu=True)),
+            "w_down": (F, (F, H), dict(residual=sds((1, 1, H))))}[name]
+
+
 @pytest.mark.parametrize("name", sorted(PROJECTIONS))
 def test_the_decode_projections_lower_for_cuda_in_one_launch(name):
-    """wo and w_down of llama31-8b-nsa, with their tuned launch configs: one Triton call, no XLA dot or add."""
+    """The fused layout's projections of llama31-8b-nsa, with their tuned launch configs and fused steps (norm,
+    SwiGLU, residual): one Triton call, no XLA dot, add, reduction or logistic around it."""
     cfg = get_config("llama31-8b-nsa")
-    K = cfg.n_heads * cfg.head_dim if name == "wo" else cfg.ffn
-    text = lower_for_cuda(lambda x, w, r: fused_gemv(x, w, residual=r, **PROJECTIONS[name]),
-                          sds((1, 1, K)), sds((K, cfg.hidden)), sds((1, 1, cfg.hidden)))
+    K, w_shape, steps = _decode_projection(cfg, name)
+    arrays = {k: v for k, v in steps.items() if not isinstance(v, bool)}
+    flags = {k: v for k, v in steps.items() if isinstance(v, bool)}
+    text = lower_for_cuda(lambda x, w, *a: fused_gemv(x, w, **dict(zip(arrays, a)), **flags, **PROJECTIONS[name]),
+                          sds((1, 1, K)), sds(w_shape), *arrays.values())
     assert text.count(TRITON) == 1 and "fused_gemv" in text
-    assert "stablehlo.dot" not in text and "stablehlo.add" not in text
+    for op in ("stablehlo.dot", "stablehlo.add", "stablehlo.reduce", "stablehlo.logistic"):
+        assert op not in text, op

@@ -128,12 +128,13 @@ def test_top_n_kernel_lowers_for_cuda_in_one_launch_per_stage():
     assert lower_for_cuda(lambda s: topn.top_n(s, 8), sds((8, 128256), jnp.float32)).count(TRITON) == 2
 
 
-def test_an_8b_decode_step_is_six_launches_per_layer_and_three_xla_dots():
+def test_an_8b_decode_step_is_eight_launches_per_layer_and_one_xla_dot():
     """`model.forward` for one token on the Pallas path, in the decode weight layout (2 layers of the 8B shape):
     per layer the compressed kernel, `decode_refresh`, `decode_combine`, `commit_blocks` (the prologue: RoPE, the
-    new K/V rows, the block they complete, the query rows and gates) and `fused_gemv` for wo and w_down; XLA
-    keeps the q/k/v/gate and gate/up GEMVs (plus the LM head) and computes the RoPE angles once per step: no
-    scatter or dynamic update of the caches, no per-layer RoPE, query padding or sigmoid."""
+    new K/V rows, the block they complete, the query rows and gates) and `fused_gemv` for the four projections
+    (q/k/v/gate and gate/up with their RMSNorm, gate/up with its SwiGLU, wo and w_down with the residual add);
+    XLA keeps the LM head and computes the RoPE angles once per step: no scatter or dynamic update of the caches,
+    no per-layer RoPE, query padding, norm or sigmoid."""
     from ssv_jax import cache as kvc
     from ssv_jax import model as M
     from ssv_jax.policy import attention_for
@@ -143,13 +144,14 @@ def test_an_8b_decode_step_is_six_launches_per_layer_and_three_xla_dots():
     cache = jax.eval_shape(lambda: kvc.init_cache(cfg, 1, 8192 + 512, dtype=jnp.bfloat16))
     attn = attention_for("kernel", "A", 1, False)
     text = lower_for_cuda(lambda p, c: M.forward(p, cfg, jnp.zeros((1, 1), jnp.int32), c, attn=attn), params, cache)
-    assert text.count(TRITON) == 6 * cfg.n_layers
-    for name, per_layer in (("fused_gemv", 2), ("decode_refresh", 1), ("decode_combine", 1), ("commit_blocks", 1),
+    assert text.count(TRITON) == 8 * cfg.n_layers
+    for name, per_layer in (("fused_gemv", 4), ("decode_refresh", 1), ("decode_combine", 1), ("commit_blocks", 1),
                             ("compressed_attention", 1)):
         assert text.count(f'name = "{name}"') == per_layer * cfg.n_layers, name
-    assert text.count("stablehlo.dot_general") == 2 * cfg.n_layers + 1
+    assert text.count("stablehlo.dot_general") == 1  # the LM head
     assert "stablehlo.scatter" not in text and "dynamic_update_slice" not in text
     assert text.count("stablehlo.cosine") == 1  # the step's RoPE angles
     lines = text.splitlines()
-    assert not [x for x in lines if "stablehlo.logistic" in x and "f32" in x]  # the gates' (SwiGLU's silu is bf16)
+    assert "stablehlo.logistic" not in text  # the gates' sigmoid and the SwiGLU's silu
+    assert text.count("stablehlo.rsqrt") == 1  # the final norm's: each layer's two are in their GEMV kernels
     assert not [x for x in lines if "stablehlo.pad" in x and "bf16" in x]  # the query rows' padding
