@@ -67,7 +67,7 @@ def nsa_attention_kernel(q, q_pos, gates, k, v, kc, vc, kv_len, cfg: ModelConfig
 nsa_attention_kernel.reads_layer_views = True  # k, v, kc, vc may be nsa.LayerKV views: read in place from the stack
 nsa_attention_kernel.reads_compressed_views = True
 nsa_attention_kernel.commit_blocks = commit_blocks  # a decode step's prologue and block commit (model.forward)
-nsa_attention_kernel.gemv = fused_gemv  # a decode step's wo and w_down projections with the residual add
+nsa_attention_kernel.gemv = fused_gemv  # a decode step's four projections, with their norm, SwiGLU or residual add
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
            "compressed_attention", "commit_blocks", "fused_gemv", "decode_refresh_layer", "DecodeQuery",
