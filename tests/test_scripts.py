@@ -178,3 +178,22 @@ def test_traced_op_classes_and_per_gpu_summary():
             want_ops = sum(k for n, (_, k) in rows.items() if names[n] == c) / per
             assert got[c] == {"us": round(want_us, 1), "ops": round(want_ops, 1)}
         assert got["total_us"] == round(sum(us for us, _ in rows.values()) / per, 1)
+
+
+def test_round_profile_reports_ar_steps_ssv_rounds_and_stages(tmp_path):
+    """profile_round.py writes per-step / per-round host times, tau and each stage's traced summary (on CPU the
+    trace has no GPU ops, so the op tables are empty: the host figures and the round count must still be real)."""
+    out = tmp_path / "rp.json"
+    _script("profile_round").main(["--random-preset", "tiny", "--context", "300", "--steps", "3", "--rounds", "2",
+                                   "--tree", "2", "3", "8", "--schedule", "2", "--backend", "reference",
+                                   "--trace-dir", str(tmp_path / "tr"), "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["ar"]["steps"] == 3 and res["ar"]["host_ms_per_step"] > 0
+    assert 1 <= res["ssv"]["rounds"] <= 2 and 1.0 <= res["ssv"]["tau"] <= 4.0  # depth 3: at most 3 + bonus
+    assert res["draft"]["calls"] == 2 and res["draft_verify"]["host_ms_per_call"] > 0
+    assert "P=2" in res["policy"] and res["context"] == 300
+    r = res["reading"]
+    assert r["implied_speedup"] == pytest.approx(res["ssv"]["tau"] * res["ar"]["host_ms_per_step"]
+                                                 / res["ssv"]["host_ms_per_round"])
+    with pytest.raises(SystemExit, match="--rounds=0"):
+        _script("profile_round").main(["--random-preset", "tiny", "--rounds", "0"])
