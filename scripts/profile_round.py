@@ -39,10 +39,11 @@ TOP = 25
 
 def _summary(ops: dict, per: int) -> dict:
     """Busy time by category and the top ops of the first GPU, per step/round/call."""
-    gpu = ops[min(ops)] if ops else {}
-    top = sorted(gpu.items(), key=lambda kv: -kv[1][0])[:TOP]
-    cat = timing.op_summary({k: v for k, v in ops.items() if k == min(ops)}, per) if ops else {}
-    return dict(by_category=next(iter(cat.values()), {}),
+    if not ops:  # no GPU in the trace (CPU)
+        return dict(by_category={}, top_ops=[])
+    first = min(ops)
+    top = sorted(ops[first].items(), key=lambda kv: -kv[1][0])[:TOP]
+    return dict(by_category=timing.op_summary({first: ops[first]}, per)[first],
                 top_ops=[dict(name=n[:100], us=round(us / per, 2), count=round(c / per, 2)) for n, (us, c) in top])
 
 
