@@ -46,8 +46,13 @@ def held_out_tokens(tok, max_files: int | None = None) -> D.TokenizedSplit:
     return D.tokenize_split(tok, "test", max_files=max_files)
 
 
-def perplexity(cfg, params, test: D.TokenizedSplit, seq_len: int, windows: int, progress: bool) -> dict:
-    """Token-level perplexity over `windows` (0 = all) evenly spaced non-overlapping windows of the test stream."""
+def perplexity(cfg, params, test: D.TokenizedSplit, seq_len: int, windows: int, progress: bool,
+               buckets: int = 1) -> dict:
+    """Token-level perplexity over `windows` (0 = all) evenly spaced non-overlapping windows of the test stream,
+    and the mean loss in each of `buckets` equal spans of window positions (`loss_by_position`: shows whether the
+    model holds up at positions it was or was not trained on)."""
+    if not isinstance(buckets, int) or not 1 <= buckets <= seq_len - 1:
+        raise ValueError(f"--position-buckets={buckets!r} is invalid; accepted: an integer in [1, {seq_len - 1}]")
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"--seq-len={seq_len} is invalid; accepted: <= max_seq_len={cfg.max_seq_len}")
     n_all = len(test) // seq_len
@@ -57,20 +62,27 @@ def perplexity(cfg, params, test: D.TokenizedSplit, seq_len: int, windows: int, 
     # Evenly spaced windows, so a partial evaluation is not just the first files in path order.
     starts = np.linspace(0, n_all - 1, n).round().astype(int) * seq_len
 
+    edges = np.linspace(0, seq_len - 1, buckets + 1).round().astype(int)  # over the seq_len - 1 scored positions
+
     @jax.jit
-    def nll_sum(p, t):
+    def nll_sums(p, t):
         logits, _ = forward_train_fast(p, cfg, t)
         lp = jax.nn.log_softmax(logits[:, :-1], -1)
-        return -jnp.sum(jnp.take_along_axis(lp, t[:, 1:, None], -1))
+        nll = -jnp.take_along_axis(lp, t[:, 1:, None], -1)[0, :, 0]
+        return jnp.stack([jnp.sum(nll[a:b]) for a, b in zip(edges[:-1], edges[1:])])
 
-    total, count = 0.0, 0
+    sums = np.zeros(buckets)
     for s0 in tqdm(starts, desc="perplexity", disable=not progress):
         t = jnp.asarray(test.tokens[s0:s0 + seq_len].astype(np.int32))[None]
-        total += float(nll_sum(params, t))
-        count += seq_len - 1
-    loss = total / count
-    return {"loss": loss, "perplexity": math.exp(loss), "windows": n, "windows_available": n_all,
-            "seq_len": seq_len, "tokens_scored": count}
+        sums += np.asarray(nll_sums(params, t), np.float64)
+    count = n * (seq_len - 1)
+    loss = float(sums.sum() / count)
+    out = {"loss": loss, "perplexity": math.exp(loss), "windows": n, "windows_available": n_all,
+           "seq_len": seq_len, "tokens_scored": count}
+    if buckets > 1:
+        out["loss_by_position"] = [{"positions": [int(a), int(b)], "loss": float(s / (n * (b - a)))}
+                                   for a, b, s in zip(edges[:-1], edges[1:], sums)]
+    return out
 
 
 def policies():
@@ -145,6 +157,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--tau-files", type=int, default=3,
                     help="held-out files used as tau prompts, besides the test stream's tail")
+    ap.add_argument("--position-buckets", type=int, default=1,
+                    help="also report the loss in this many equal spans of window positions")
     ap.add_argument("--no-tau", action="store_true", help="perplexity only")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
@@ -174,7 +188,8 @@ def main(argv=None) -> dict:
     out = {"bundle": bundle_name, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "python": platform.python_version(), "dtype": args.dtype,
            "held_out": {"files": test.n_docs, "tokens": len(test)},
-           "perplexity": perplexity(b.cfg, b.params, test, args.seq_len, args.ppl_windows, progress)}
+           "perplexity": perplexity(b.cfg, b.params, test, args.seq_len, args.ppl_windows, progress,
+                                    args.position_buckets)}
     print(f"[eval] held-out perplexity {out['perplexity']['perplexity']:.3f} "
           f"({out['perplexity']['tokens_scored']} tokens)", flush=True)
     out["training"] = ckpt.read_bundle_meta(args.bundle).get("meta", {})

@@ -3,6 +3,8 @@
 
     python scripts/train_eagle3.py --bundle runs/ssv-small --time-budget 150           # GPU
     python scripts/train_eagle3.py --tiny --bundle /tmp/tiny-bundle --steps 3         # CPU smoke path (CI)
+    python scripts/train_eagle3.py --bundle runs/ssv-small-16k --init-draft checkpoints/ssv-small \
+        --seq-len 4096 --batch 8 --micro-batch 4 --time-budget 120                     # refit after a continuation
 
 Training-time test (EAGLE-3), unrolled `--ttt-steps` (>= 3) times, with step-k loss weight `--decay`**k (0.8):
   * step 0 (`draft.draft_extend`): the entry at position i fuses the target features f_i with the token x_{i+1}
@@ -111,13 +113,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft-heads", type=int, default=None)
     ap.add_argument("--draft-kv-heads", type=int, default=2)
     ap.add_argument("--max-files", type=int, default=None)
+    ap.add_argument("--init-draft", default=None,
+                    help="start from this bundle's head (same draft config), e.g. after continuing the target's "
+                         "training; its training record is kept in the new bundle's meta")
     args = ap.parse_args(argv)
     t_start = time.time()
     tiny = args.tiny
     args.batch = args.batch or (2 if tiny else 4)
     args.seq_len = args.seq_len or (128 if tiny else 8192)
     args.micro_batch = args.micro_batch or (args.batch if tiny else 2)
-    args.lr = args.lr or 2e-3
+    args.lr = args.lr or (5e-4 if args.init_draft else 2e-3)
     args.compute_dtype = args.compute_dtype or ("float32" if tiny else "bfloat16")
     check_args(args)
     if args.ttt_steps < 3:
@@ -150,14 +155,29 @@ def main(argv=None) -> dict:
         over["n_heads"] = args.draft_heads or 4
     dcfg = DR.DraftConfig.for_target(cfg, draft_vocab=vd, **over)
     DR.check_compatible(dcfg, cfg)
+    init = None
+    if args.init_draft is not None:
+        init = ckpt.load_bundle(args.init_draft, dtype=jnp.float32)
+        if init.draft_cfg is None:
+            raise ValueError(f"--init-draft={args.init_draft!r} has no EAGLE-3 head; accepted: a bundle written "
+                             f"by train_eagle3.py")
+        if init.draft_cfg != dcfg:
+            raise ValueError(f"--init-draft={args.init_draft!r} has head {init.draft_cfg}; accepted: the head "
+                             f"these arguments build, {dcfg}")
+        if not np.array_equal(np.asarray(init.draft_params["d2t"]), sel - np.arange(vd, dtype=np.int32)):
+            raise ValueError(f"--init-draft={args.init_draft!r} has another draft vocabulary; accepted: the "
+                             f"{vd} most frequent training tokens of this data directory")
     print(f"[eagle3] head {dcfg}, draft vocab covers {coverage:.1%} of validation tokens", flush=True)
     sel_j = jnp.asarray(sel)
     tx = make_optimizer(args.weight_decay, args.clip)
     d2t = sel - np.arange(vd, dtype=np.int32)
 
     def init_state():
-        p = DR.init_draft_params(dcfg, jax.random.key(args.seed + 1), jnp.float32, d2t=jnp.asarray(d2t))
-        p["lm_head"] = jnp.asarray(tp["embed"], jnp.float32)[sel_j].T  # the tied target head's rows
+        if init is not None:
+            p = dict(init.draft_params)
+        else:
+            p = DR.init_draft_params(dcfg, jax.random.key(args.seed + 1), jnp.float32, d2t=jnp.asarray(d2t))
+            p["lm_head"] = jnp.asarray(tp["embed"], jnp.float32)[sel_j].T  # the tied target head's rows
         trainable = {k: v for k, v in p.items() if k not in DR.BUFFER_NAMES}
         return {"params": trainable, "opt": tx.init(trainable)}
 
@@ -196,7 +216,13 @@ def main(argv=None) -> dict:
         "history": thin(r["history"]),
     }
     meta = ckpt.read_bundle_meta(args.bundle).get("meta", {})
-    meta["draft_training"] = results
+    if init is None:
+        meta["draft_training"] = results
+    else:
+        results["init_draft"] = str(args.init_draft)
+        old = ckpt.read_bundle_meta(args.init_draft).get("meta", {})
+        meta.update({k: v for k, v in old.items() if k == "draft_training"})
+        meta["draft_finetune"] = results
     draft_params = {**state["params"], **buffers}
     out = ckpt.save_bundle(args.out or args.bundle, cfg, tp, draft_cfg=dcfg, draft_params=draft_params,
                            tokenizer=tok, dtype="bfloat16", force=True, extra_meta=meta)

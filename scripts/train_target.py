@@ -3,6 +3,8 @@
 
     python scripts/train_target.py --out runs/ssv-small --time-budget 330          # GPU: steps sized to the budget
     python scripts/train_target.py --tiny --steps 3 --out /tmp/tiny-bundle          # CPU smoke path (CI)
+    python scripts/train_target.py --init-bundle checkpoints/ssv-small --seq-len 16384 --batch 2 \
+        --time-budget 200 --out runs/ssv-small-16k                                   # GPU: continue at 16K
 
 * Data: `ssv_jax.data.prepare_data` (tokenizer trained on the train split; cached in --data-dir). Packed
   sequences of --seq-len tokens (default 8192), next-token loss on all positions but the last.
@@ -15,6 +17,8 @@
   a rerun with the same --ckpt-dir continues at the last step with the same schedule (run.json).
 * Micro-batching: --micro-batch splits each batch into gradient-accumulated chunks; on an out-of-memory error
   in the first step the micro-batch is halved and the step retried.
+* Continued training: --init-bundle starts from a bundle's target (its config and tokenizer), e.g. to extend
+  it to a longer --seq-len; the new bundle keeps the first training's record and adds "target_finetune".
 * End: validation loss, held-out (test split) perplexity, tokens/s, and a bundle (bf16 by default) with the
   tokenizer and these numbers in its config.json "meta".
 """
@@ -304,6 +308,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--test-batches", type=int, default=None, help="test windows for perplexity (default all)")
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N files of each split")
+    ap.add_argument("--init-bundle", default=None,
+                    help="continue training this bundle's target (e.g. at a longer --seq-len), with its config "
+                         "and tokenizer; its training record is kept in the new bundle's meta")
     args = ap.parse_args(argv)
     t_start = time.time()
     tiny = args.tiny
@@ -311,7 +318,7 @@ def main(argv=None) -> dict:
     args.batch = args.batch or (2 if tiny else 4)
     args.seq_len = args.seq_len or (128 if tiny else 8192)
     args.micro_batch = args.micro_batch or args.batch
-    args.lr = args.lr or (3e-3 if tiny else 2e-3)
+    args.lr = args.lr or (3e-3 if tiny else 4e-4 if args.init_bundle else 2e-3)
     args.compute_dtype = args.compute_dtype or ("float32" if tiny else "bfloat16")
     max_files = args.max_files if args.max_files is not None else (40 if tiny else None)
     if args.test_batches is None and tiny:
@@ -321,10 +328,21 @@ def main(argv=None) -> dict:
     progress = not args.no_progress
     vocab = 512 if tiny else get_config(args.preset).vocab_size
 
-    meta = D.prepare_data(data_dir, vocab_size=vocab, max_files=max_files, show_progress=progress)
+    init = None
+    if args.init_bundle is not None:
+        init = ckpt.load_bundle(args.init_bundle, dtype=jnp.float32)
+        if init.tokenizer is None:
+            raise ValueError(f"--init-bundle={args.init_bundle!r} has no tokenizer.json; accepted: a bundle "
+                             f"written by train_target.py")
+        vocab = init.cfg.vocab_size
+    meta = D.prepare_data(data_dir, vocab_size=vocab, max_files=max_files, show_progress=progress,
+                          tokenizer=None if init is None else init.tokenizer)
     tok = Tokenizer.load(data_dir / "tokenizer.json")
     train, val, test = (D.load_prepared(data_dir, s) for s in D.SPLITS)
-    cfg = get_config("tiny", vocab_size=tok.vocab_size) if tiny else get_config(args.preset)
+    if init is not None:
+        cfg = init.cfg
+    else:
+        cfg = get_config("tiny", vocab_size=tok.vocab_size) if tiny else get_config(args.preset)
     if cfg.vocab_size != tok.vocab_size:
         raise ValueError(f"tokenizer vocab {tok.vocab_size} != ModelConfig.vocab_size={cfg.vocab_size}; accepted: equal")
     if cfg.max_seq_len < args.seq_len:
@@ -338,7 +356,7 @@ def main(argv=None) -> dict:
     tx = make_optimizer(args.weight_decay, args.clip)
 
     def init_state():
-        p = training_init(cfg, jax.random.key(args.seed))
+        p = training_init(cfg, jax.random.key(args.seed)) if init is None else init.params
         return {"params": p, "opt": tx.init(p)}
 
     loss_fn = lambda p, t, _: (lm_loss(p, cfg, t, cdt), jnp.zeros(()))
@@ -364,8 +382,17 @@ def main(argv=None) -> dict:
         "device": str(jax.devices()[0].device_kind), "corpus": meta,
         "history": thin(r["history"]),
     }
+    if init is None:
+        bundle_meta = {"target_training": results}
+    else:
+        # A continued training: the first training's record stays; the head (if any) is not carried over,
+        # since it was fitted to the old target's features.
+        old = ckpt.read_bundle_meta(args.init_bundle).get("meta", {})
+        results["init_bundle"] = str(args.init_bundle)
+        bundle_meta = {k: v for k, v in old.items() if k.startswith("target_")}
+        bundle_meta["target_finetune"] = results
     ckpt.save_bundle(args.out, cfg, state["params"], tokenizer=tok, dtype=args.save_dtype, force=True,
-                     extra_meta={"target_training": results})
+                     extra_meta=bundle_meta)
     summary = {k: v for k, v in results.items() if k not in ("history", "corpus")}
     print("[target] " + json.dumps(summary), flush=True)
     return results

@@ -225,10 +225,12 @@ def eval_batches(data: TokenizedSplit, batch: int, seq_len: int, max_batches: in
 
 # -- one-shot preparation ----------------------------------------------------------------------------------------
 def prepare_data(out_dir: str | Path, vocab_size: int = 8192, root: str | Path | None = None,
-                 max_files: int | None = None, force: bool = False, show_progress: bool = True) -> dict:
-    """Trains the tokenizer on the train split and tokenizes all three splits into `out_dir`:
-    `tokenizer.json`, `{train,val,test}.npz` (+ `.files.json`) and `meta.json`. Reuses an existing directory whose
-    meta matches (same vocab, max_files and fractions; the root too when given) unless `force`. Returns the meta
+                 max_files: int | None = None, force: bool = False, show_progress: bool = True,
+                 tokenizer=None) -> dict:
+    """Trains the tokenizer on the train split (or takes `tokenizer`, e.g. a bundle's, to continue training a
+    model) and tokenizes all three splits into `out_dir`: `tokenizer.json`, `{train,val,test}.npz` (+
+    `.files.json`) and `meta.json`. Reuses an existing directory whose meta matches (same vocab, max_files and
+    fractions; the root too when given; with `tokenizer`, the same tokenizer) unless `force`. Returns the meta
     dict."""
     import platform
 
@@ -237,19 +239,27 @@ def prepare_data(out_dir: str | Path, vocab_size: int = 8192, root: str | Path |
     out = Path(out_dir)
     explicit_root = root is not None
     root = Path(root) if root is not None else stdlib_root()
+    if tokenizer is not None and tokenizer.vocab_size != vocab_size:
+        raise ValueError(f"tokenizer vocab {tokenizer.vocab_size} != vocab_size={vocab_size}; accepted: equal")
     want = {"vocab_size": vocab_size, "root": str(root), "max_files": max_files,
             "fractions": list(DEFAULT_FRACTIONS)}
     meta_path = out / "meta.json"
+    tok_path = out / "tokenizer.json"
     if meta_path.is_file() and not force:
         # A prepared directory carried to another machine is reused as it is, whatever that machine's stdlib
         # path is, unless the caller names a root explicitly.
         meta = json.loads(meta_path.read_text())
-        if all(meta.get(k) == v for k, v in want.items() if k != "root" or explicit_root):
+        same_tok = tokenizer is None or (tok_path.is_file() and
+                                         tok_path.read_text(encoding="utf-8") == tokenizer.to_str())
+        if same_tok and all(meta.get(k) == v for k, v in want.items() if k != "root" or explicit_root):
             return meta
     out.mkdir(parents=True, exist_ok=True)
-    train_texts = [t for _, t in iter_documents("train", root, max_files)]
-    tok = train_tokenizer(train_texts, vocab_size=vocab_size, show_progress=show_progress)
-    tok.save(out / "tokenizer.json")
+    if tokenizer is None:
+        train_texts = [t for _, t in iter_documents("train", root, max_files)]
+        tok = train_tokenizer(train_texts, vocab_size=vocab_size, show_progress=show_progress)
+    else:
+        tok = tokenizer
+    tok.save(tok_path)
     meta = dict(want, python=platform.python_version(), splits={})
     for split in SPLITS:
         ts = tokenize_split(tok, split, root, max_files)

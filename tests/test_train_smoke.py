@@ -62,22 +62,66 @@ def test_eagle3_smoke(tiny_bundle):
     assert bool(jnp.all(b.draft_params["t2d"][ids]))
 
 
+def _full_bundle(d):
+    if not (d / "full").exists():
+        _run("train_eagle3.py", "--steps", 3, "--bundle", d / "bundle", "--out", d / "full",
+             "--data-dir", d / "data", "--ttt-steps", 3)
+    return d / "full"
+
+
+def test_continued_training_starts_from_the_bundle_and_keeps_its_record(tiny_bundle):
+    """--init-bundle / --init-draft: a continuation at a longer sequence starts from the bundle's weights (with a
+    vanishing learning rate one step leaves them as they were, to the bf16 they are stored in), keeps the
+    tokenizer and config, and records both trainings in the new bundle's meta."""
+    from ssv_jax.checkpoint import load_bundle, read_bundle_meta
+
+    d, _ = tiny_bundle
+    full = _full_bundle(d)
+    res = _run("train_target.py", "--steps", 1, "--lr", 1e-12, "--seq-len", 256, "--batch", 1,
+               "--init-bundle", full, "--out", d / "cont", "--data-dir", d / "data")
+    assert res["seq_len"] == 256 and res["init_bundle"] == str(full)
+    res_d = _run("train_eagle3.py", "--steps", 1, "--lr", 1e-12, "--bundle", d / "cont", "--init-draft", full,
+                 "--data-dir", d / "data", "--ttt-steps", 3)
+    assert res_d["init_draft"] == str(full)
+    old, new = load_bundle(full, dtype=None), load_bundle(d / "cont", dtype=None)
+    assert new.cfg == old.cfg and new.tokenizer.to_str() == old.tokenizer.to_str()
+    for tree_old, tree_new in ((old.params, new.params), (old.draft_params, new.draft_params)):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(tree_old), jax.tree.leaves(tree_new)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+    meta = read_bundle_meta(d / "cont")["meta"]
+    assert meta["target_training"] == read_bundle_meta(full)["meta"]["target_training"]
+    assert meta["target_finetune"]["steps"] == 1 and meta["draft_finetune"]["steps"] == 1
+    assert meta["draft_training"] == read_bundle_meta(full)["meta"]["draft_training"]
+
+
+def test_init_draft_rejects_a_head_of_another_shape(tiny_bundle):
+    d, _ = tiny_bundle
+    full = _full_bundle(d)
+    cmd = [sys.executable, str(ROOT / "scripts" / "train_eagle3.py"), "--tiny", "--no-progress", "--steps", "1",
+           "--bundle", str(full), "--out", str(d / "other"), "--init-draft", str(full), "--data-dir",
+           str(d / "data"), "--ttt-steps", "3", "--draft-vocab", "100"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "--init-draft=" in out.stderr and "accepted: the head" in out.stderr
+
+
 def test_eval_reports_tau_per_prompt_and_its_summary(tiny_bundle, tmp_path):
     """eval_model on the tiny bundle with its head: tau rows for the stream tail and a held-out file, and a summary
     whose mean lies between the prompts' extremes."""
     import eval_model
 
     d, _ = tiny_bundle
-    if not (d / "full").exists():
-        _run("train_eagle3.py", "--steps", 3, "--bundle", d / "bundle", "--out", d / "full",
-             "--data-dir", d / "data", "--ttt-steps", 3)
-    out = eval_model.main(["--bundle", str(d / "full"), "--out", str(tmp_path / "eval.json"), "--seq-len", "128",
-                           "--ppl-windows", "1", "--contexts", "128", "--temperatures", "0", "--new-tokens", "4",
+    out = eval_model.main(["--bundle", str(_full_bundle(d)), "--out", str(tmp_path / "eval.json"), "--seq-len", "128",
+                           "--ppl-windows", "1", "--position-buckets", "4", "--contexts", "128", "--temperatures", "0", "--new-tokens", "4",
                            "--tau-files", "1", "--no-progress"])
     assert {r["prompt"] for r in out["tau"]} >= {"test stream tail"} and len(out["tau"]) == 4  # 2 prompts x 2
     for s in out["tau_summary"]:
         assert s["prompts"] == 2 and s["tau_min"] <= s["tau_mean"] <= s["tau_max"] and s["tau_min"] >= 1.0
     assert json.loads((tmp_path / "eval.json").read_text())["tau_summary"] == out["tau_summary"]
+    ppl = out["perplexity"]  # the position buckets tile the scored positions and average to the total loss
+    spans = [b["positions"] for b in ppl["loss_by_position"]]
+    assert spans[0][0] == 0 and spans[-1][1] == 127 and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+    mean = sum(b["loss"] * (b["positions"][1] - b["positions"][0]) for b in ppl["loss_by_position"]) / 127
+    assert np.isclose(mean, ppl["loss"], rtol=1e-6)
 
 
 def test_draft_vocab_ids():
