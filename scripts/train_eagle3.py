@@ -35,7 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_target import (DTYPES, add_common_args, cast_floats, check_args, evaluate,  # noqa: E402
-                          forward_train_fast, make_optimizer, make_train_step, thin, train_loop)
+                          forward_train_fast, load_init_bundle, make_optimizer, make_train_step, thin,
+                          train_loop)
 
 from ssv_jax import checkpoint as ckpt  # noqa: E402
 from ssv_jax import data as D  # noqa: E402
@@ -155,22 +156,19 @@ def main(argv=None) -> dict:
         over["n_heads"] = args.draft_heads or 4
     dcfg = DR.DraftConfig.for_target(cfg, draft_vocab=vd, **over)
     DR.check_compatible(dcfg, cfg)
+    d2t = sel - np.arange(vd, dtype=np.int32)
     init = None
     if args.init_draft is not None:
-        init = ckpt.load_bundle(args.init_draft, dtype=jnp.float32)
-        if init.draft_cfg is None:
-            raise ValueError(f"--init-draft={args.init_draft!r} has no EAGLE-3 head; accepted: a bundle written "
-                             f"by train_eagle3.py")
+        init = load_init_bundle("--init-draft", args.init_draft, "draft_cfg", "train_eagle3.py")
         if init.draft_cfg != dcfg:
             raise ValueError(f"--init-draft={args.init_draft!r} has head {init.draft_cfg}; accepted: the head "
                              f"these arguments build, {dcfg}")
-        if not np.array_equal(np.asarray(init.draft_params["d2t"]), sel - np.arange(vd, dtype=np.int32)):
+        if not np.array_equal(np.asarray(init.draft_params["d2t"]), d2t):
             raise ValueError(f"--init-draft={args.init_draft!r} has another draft vocabulary; accepted: the "
                              f"{vd} most frequent training tokens of this data directory")
     print(f"[eagle3] head {dcfg}, draft vocab covers {coverage:.1%} of validation tokens", flush=True)
     sel_j = jnp.asarray(sel)
     tx = make_optimizer(args.weight_decay, args.clip)
-    d2t = sel - np.arange(vd, dtype=np.int32)
 
     def init_state():
         if init is not None:

@@ -110,6 +110,15 @@ def plan_total_steps(args, step_done: int, step_time: float, elapsed: float) -> 
     return max(step_done + 1, step_done + int(left / max(step_time, 1e-6)))
 
 
+def load_init_bundle(flag: str, path: str, part: str, written_by: str):
+    """The bundle at `path` (fp32) for a continued training, or a ValueError naming `flag` when it lacks `part`
+    (a Bundle attribute, e.g. "tokenizer" or "draft_cfg")."""
+    b = ckpt.load_bundle(path, dtype=jnp.float32)
+    if getattr(b, part) is None:
+        raise ValueError(f"{flag}={path!r} has no {part}; accepted: a bundle written by {written_by}")
+    return b
+
+
 def add_common_args(ap: argparse.ArgumentParser) -> None:
     """Arguments shared by both training scripts."""
     ap.add_argument("--tiny", action="store_true", help="tiny preset, short sequences, few files (CPU smoke)")
@@ -330,10 +339,7 @@ def main(argv=None) -> dict:
 
     init = None
     if args.init_bundle is not None:
-        init = ckpt.load_bundle(args.init_bundle, dtype=jnp.float32)
-        if init.tokenizer is None:
-            raise ValueError(f"--init-bundle={args.init_bundle!r} has no tokenizer.json; accepted: a bundle "
-                             f"written by train_target.py")
+        init = load_init_bundle("--init-bundle", args.init_bundle, "tokenizer", "train_target.py")
         vocab = init.cfg.vocab_size
     meta = D.prepare_data(data_dir, vocab_size=vocab, max_files=max_files, show_progress=progress,
                           tokenizer=None if init is None else init.tokenizer)

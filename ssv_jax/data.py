@@ -254,11 +254,8 @@ def prepare_data(out_dir: str | Path, vocab_size: int = 8192, root: str | Path |
         if same_tok and all(meta.get(k) == v for k, v in want.items() if k != "root" or explicit_root):
             return meta
     out.mkdir(parents=True, exist_ok=True)
-    if tokenizer is None:
-        train_texts = [t for _, t in iter_documents("train", root, max_files)]
-        tok = train_tokenizer(train_texts, vocab_size=vocab_size, show_progress=show_progress)
-    else:
-        tok = tokenizer
+    tok = tokenizer if tokenizer is not None else train_tokenizer(
+        [t for _, t in iter_documents("train", root, max_files)], vocab_size=vocab_size, show_progress=show_progress)
     tok.save(tok_path)
     meta = dict(want, python=platform.python_version(), splits={})
     for split in SPLITS:

@@ -110,9 +110,9 @@ def test_eval_reports_tau_per_prompt_and_its_summary(tiny_bundle, tmp_path):
     import eval_model
 
     d, _ = tiny_bundle
-    out = eval_model.main(["--bundle", str(_full_bundle(d)), "--out", str(tmp_path / "eval.json"), "--seq-len", "128",
-                           "--ppl-windows", "1", "--position-buckets", "4", "--contexts", "128", "--temperatures", "0", "--new-tokens", "4",
-                           "--tau-files", "1", "--no-progress"])
+    out = eval_model.main(["--bundle", str(_full_bundle(d)), "--out", str(tmp_path / "eval.json"),
+                           "--seq-len", "128", "--ppl-windows", "1", "--position-buckets", "4", "--contexts", "128",
+                           "--temperatures", "0", "--new-tokens", "4", "--tau-files", "1", "--no-progress"])
     assert {r["prompt"] for r in out["tau"]} >= {"test stream tail"} and len(out["tau"]) == 4  # 2 prompts x 2
     for s in out["tau_summary"]:
         assert s["prompts"] == 2 and s["tau_min"] <= s["tau_mean"] <= s["tau_max"] and s["tau_min"] >= 1.0
