@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -168,19 +169,29 @@ def round_split(model: SSVModel, policy: SSVPolicy, state: RoundState, eos, *, r
     return dict(draft_ms=t_draft, verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv, round_ms=t_round)
 
 
-def attention_split(model: SSVModel, policy: SSVPolicy, state: RoundState, *, iters: int = 16, sets: int = 4,
-                    reps: int = 5, seed: int = 0):
-    """One layer's attention call (the policy's `attention_for`) at this state's verify shapes, as a refresh layer
-    and as a reuse layer: returns (t_refresh_us, t_reuse_us) per call.
+class LayerInputs(NamedTuple):
+    """One layer's verify-time attention inputs at a round state (see `layer_inputs`)."""
+    pos: jax.Array  # [B, N] node positions
+    extra: nsa.Extra  # in-tree keys of set 0 (ancestor masks, per-path compressed-block ids)
+    layer: tuple  # layer 0's committed (k, v, kc, vc)
+    T: jax.Array  # committed lengths [B]
+    qs: jax.Array  # [sets, B, N, Hq, D] random queries
+    gs: jax.Array  # [sets, B, N, Hq, 3] random gates
+    kv: list  # four [sets, B, N, Hkv, D] random in-tree k, v, compressed k, compressed v
 
-    Inputs: layer 0's committed cache of `state`; the tree the head drafts from `state` (its node positions,
-    ancestor mask and per-path compressed-block ids); random queries, gates and in-flight tree keys/values in
-    `sets` rotated sets (their values do not change the cost; rotation keeps the loop from reusing one input).
-    The refresh call routes (`sel=None`); the reuse call takes the selection a refresh call returned. Each is
-    timed as `iters` calls inside one jitted fori_loop (median of `reps` host-timed loops, / iters), so dispatch
-    is amortised."""
+    def rotated(self, j):
+        """(q, gates, extra) of input set j (may be traced)."""
+        ex = self.extra._replace(k=self.kv[0][j], v=self.kv[1][j], ck=self.kv[2][j], cv=self.kv[3][j])
+        return self.qs[j], self.gs[j], ex
+
+
+def layer_inputs(model: SSVModel, policy: SSVPolicy, state: RoundState, *, sets: int = 4,
+                 seed: int = 0) -> LayerInputs:
+    """Inputs of one layer's attention call at this state's verify shapes: layer 0's committed cache of `state`;
+    the tree the head drafts from `state` (its node positions, ancestor mask and per-path compressed-block ids);
+    random queries, gates and in-flight tree keys/values in `sets` rotated sets (their values do not change the
+    cost; rotation keeps a timing loop from reusing one input)."""
     cfg = model.cfg
-    attn = attention_for(policy.backend, policy.mode, policy.group_size, jax.default_backend() == "cpu")
     tree = _stage(cfg, model.draft_cfg, policy, "draft")(model.params, model.draft_params, state, jnp.int32(-2))
     tc = state.tcache
     T = tc.length
@@ -193,22 +204,34 @@ def attention_split(model: SSVModel, policy: SSVPolicy, state: RoundState, *, it
     gs = jax.nn.sigmoid(jax.random.normal(ks[1], (sets, B, N, cfg.n_heads, 3)))
     kv = [jax.random.normal(k, (sets, B, N, cfg.n_kv_heads, cfg.head_dim), dt) for k in ks[2:]]
     extra = nsa.Extra(kv[0][0], kv[1][0], pos, tree.mask, kv[2][0], kv[3][0], cidx, tree.mask & completes[:, None])
-    layer = (tc.k[0], tc.v[0], tc.kc[0], tc.vc[0])
-    _, sel0 = jax.jit(lambda q, g, ex, lay: attn(q, pos, g, *lay, T, cfg, extra=ex))(qs[0], gs[0], extra, layer)
+    return LayerInputs(pos, extra, (tc.k[0], tc.v[0], tc.kc[0], tc.vc[0]), T, qs, gs, kv)
+
+
+def attention_split(model: SSVModel, policy: SSVPolicy, state: RoundState, *, iters: int = 16, sets: int = 4,
+                    reps: int = 5, seed: int = 0):
+    """One layer's attention call (the policy's `attention_for`) at this state's verify shapes, as a refresh layer
+    and as a reuse layer: returns (t_refresh_us, t_reuse_us) per call.
+
+    Inputs: `layer_inputs`. The refresh call routes (`sel=None`); the reuse call takes the selection a refresh
+    call returned. Each is timed as `iters` calls inside one jitted fori_loop (median of `reps` host-timed loops,
+    / iters), so dispatch is amortised."""
+    cfg = model.cfg
+    attn = attention_for(policy.backend, policy.mode, policy.group_size, jax.default_backend() == "cpu")
+    li = layer_inputs(model, policy, state, sets=sets, seed=seed)
+    _, sel0 = jax.jit(lambda q, g, ex, lay: attn(q, li.pos, g, *lay, li.T, cfg, extra=ex))(
+        li.qs[0], li.gs[0], li.extra, li.layer)
 
     def loop(refresh):
-        def run(sel, qs, gs, kv, lay):
+        def run(sel, li):
             def body(i, acc):
-                j = i % sets
-                ex = extra._replace(k=kv[0][j], v=kv[1][j], ck=kv[2][j], cv=kv[3][j])
-                o, _ = attn(qs[j], pos, gs[j], *lay, T, cfg, extra=ex, sel=None if refresh else sel)
+                q, g, ex = li.rotated(i % sets)
+                o, _ = attn(q, li.pos, g, *li.layer, li.T, cfg, extra=ex, sel=None if refresh else sel)
                 return acc + jnp.sum(o.astype(jnp.float32))
             return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
         return jax.jit(run)
 
-    args = (sel0, qs, gs, kv, layer)
-    return (host_time(loop(True), *args, reps=reps) / iters * 1e3,
-            host_time(loop(False), *args, reps=reps) / iters * 1e3)
+    return (host_time(loop(True), sel0, li, reps=reps) / iters * 1e3,
+            host_time(loop(False), sel0, li, reps=reps) / iters * 1e3)
 
 
 def ssv_round_split(model: SSVModel, policy: SSVPolicy, state: RoundState, eos, *, rounds: int = 8, reps: int = 5,

@@ -11,7 +11,7 @@ from ssv_jax.config import get_config
 from ssv_jax.draft import (DraftConfig, draft_extend, draft_logits, draft_tree_step, init_draft_cache,
                            init_draft_params)
 from pallas_kernels.topn import top_n
-from ssv_jax.tree import (Tree, TreeSpec, build_tree, build_tree_with, flatten_order, mask_from_parents,
+from ssv_jax.tree import (Tree, TreeSpec, build_tree, build_tree_with, flatten_order, lex_order, mask_from_parents,
                           permute_tree, tree_from_parents)
 
 # -- (c) golden fixture ------------------------------------------------------------------------------------------
@@ -160,6 +160,22 @@ def test_treespec_validation(kw, field, rng):
     with pytest.raises(ValueError, match=field) as e:
         TreeSpec(**kw)
     assert e.match(rng)
+
+
+@pytest.mark.parametrize("n", [1, 7, 32])
+def test_lex_order_is_the_lexicographic_sort(n):
+    """`lex_order` (all-pairs ranks, no sort) gives the permutation of `jax.lax.sort` over the same keys, on fresh
+    random keys with many ties in the leading ones (int and float keys, the last one distinct), and its inverse."""
+    rng = np.random.default_rng()
+    B = 3
+    keys = (jnp.asarray(rng.integers(0, 3, (B, n)), jnp.int32),
+            jnp.asarray(rng.integers(-2, 2, (B, n)) / 2, jnp.float32),
+            jnp.asarray(np.stack([rng.permutation(n) for _ in range(B)]), jnp.int32))
+    iota = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))
+    want = jax.lax.sort(keys + (iota,), dimension=1, num_keys=len(keys))[-1]
+    perm, rank = jax.jit(lex_order)(keys)
+    np.testing.assert_array_equal(perm, want)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(rank), np.asarray(perm), 1), iota)
 
 
 def test_unknown_order():
