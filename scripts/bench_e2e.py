@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from ssv_jax import model as M
 from ssv_jax import timing
 from ssv_jax.generate import ar_generate
-from ssv_jax.generate_cli import load_model, prompts
+from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
 from ssv_jax.planner import Planner
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.schedule import parse
@@ -44,6 +44,7 @@ def schedule_arg(s: str):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
+    add_dtype_arg(ap)
     ap.add_argument("--random-preset", default=None)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--prompts", type=int, default=2)
@@ -59,7 +60,7 @@ def main(argv=None):
     ap.add_argument("--out", default="docs/results/e2e_h200.json")
     a = ap.parse_args(argv)
 
-    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0))
+    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
     k, d, b = a.tree
     exact = a.schedule is None or all(parse(a.schedule, m.cfg.n_layers))
     fixed = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend, schedule=a.schedule,
@@ -110,7 +111,9 @@ def main(argv=None):
                 summary[f"{ctx}/{meth}"] = dict(tokens_per_s=float(v), speedup_vs_ar=float(v / ar),
                                                 tau=float(np.mean([r["tau"] for r in sel])))
         res = dict(benchmark="e2e", model=desc, device=jax.devices()[0].device_kind, host=platform.node(),
-                   jax=jax.__version__, new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
+                   jax=jax.__version__, dtype=str(jax.tree.leaves(m.params)[0].dtype),
+                   draft_window=m.draft_cfg.window if m.draft_cfg is not None else None,
+                   new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
                    rows=rows, summary=summary,
                    timing="host wall clock of the decode loop after a compile run; prefill excluded")
         if not a.no_split:

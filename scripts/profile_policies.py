@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from ssv_jax.generate_cli import load_model, prompts
+from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
 from ssv_jax.planner import bucket_of, save_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import ssv_generate
@@ -45,6 +45,7 @@ def candidate_policies(trees, orders, modes, group_sizes, schedules, backend) ->
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
+    add_dtype_arg(ap)
     ap.add_argument("--random-preset", default=None)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--prompts", type=int, default=2)
@@ -58,7 +59,7 @@ def main(argv=None):
     ap.add_argument("--out", default="docs/results/policy_profile.json")
     a = ap.parse_args(argv)
 
-    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0))
+    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
     trees = [tuple(int(x) for x in t.split(",")) for t in a.trees.split(";")]
     cands = candidate_policies(trees, a.orders, a.modes, a.group_sizes, a.schedules, a.backend)
     per_bucket, used = {}, []  # per_bucket: bucket -> policy index -> measurements over its contexts

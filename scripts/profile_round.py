@@ -30,7 +30,7 @@ from ssv_jax import cache as kvc
 from ssv_jax import model as M
 from ssv_jax import timing
 from ssv_jax.generate import _ar_chunk, default_decode_attention, prepare_prompt
-from ssv_jax.generate_cli import load_model, prompts
+from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import _ssv_chunk
 
@@ -58,6 +58,7 @@ def _timed_trace(fn, trace_dir: str):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
+    add_dtype_arg(ap)
     ap.add_argument("--random-preset", default=None)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=32, help="AR decode steps traced")
@@ -73,7 +74,7 @@ def main(argv=None):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name}={getattr(a, name)} is invalid; accepted: an integer >= 1")
     trace_root = a.trace_dir or tempfile.mkdtemp(prefix="ssv_round_profile_")
-    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0))
+    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
     cfg = m.cfg
     k, d, b = a.tree
     policy = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend,

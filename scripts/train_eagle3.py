@@ -114,6 +114,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft-heads", type=int, default=None)
     ap.add_argument("--draft-kv-heads", type=int, default=2)
     ap.add_argument("--max-files", type=int, default=None)
+    ap.add_argument("--draft-window", type=int, default=None,
+                    help="the head's attention window when drafting (DraftConfig.window); default: --seq-len, the "
+                         "longest distance it is trained on; 0: none (attend to every committed slot)")
     ap.add_argument("--init-draft", default=None,
                     help="start from this bundle's head (same draft config), e.g. after continuing the target's "
                          "training; its training record is kept in the new bundle's meta")
@@ -122,6 +125,8 @@ def main(argv=None) -> dict:
     tiny = args.tiny
     args.batch = args.batch or (2 if tiny else 4)
     args.seq_len = args.seq_len or (128 if tiny else 8192)
+    if args.draft_window is not None and args.draft_window < 0:
+        raise ValueError(f"--draft-window={args.draft_window} is invalid; accepted: 0 (none) or an integer >= 1")
     args.micro_batch = args.micro_batch or (args.batch if tiny else 2)
     args.lr = args.lr or (5e-4 if args.init_draft else 2e-3)
     args.compute_dtype = args.compute_dtype or ("float32" if tiny else "bfloat16")
@@ -154,13 +159,15 @@ def main(argv=None) -> dict:
     over = {"ffn": args.draft_ffn or (cfg.ffn if tiny else 256), "n_kv_heads": args.draft_kv_heads}
     if args.draft_heads or not tiny:
         over["n_heads"] = args.draft_heads or 4
+    # the head never sees a key further back than its training length: it drafts with that attention window
+    over["window"] = args.seq_len if args.draft_window is None else (args.draft_window or None)
     dcfg = DR.DraftConfig.for_target(cfg, draft_vocab=vd, **over)
     DR.check_compatible(dcfg, cfg)
     d2t = sel - np.arange(vd, dtype=np.int32)
     init = None
     if args.init_draft is not None:
         init = load_init_bundle("--init-draft", args.init_draft, "draft_cfg", "train_eagle3.py")
-        if init.draft_cfg != dcfg:
+        if init.draft_cfg.replace(window=None) != dcfg.replace(window=None):  # the window is not a weight shape
             raise ValueError(f"--init-draft={args.init_draft!r} has head {init.draft_cfg}; accepted: the head "
                              f"these arguments build, {dcfg}")
         if not np.array_equal(np.asarray(init.draft_params["d2t"]), d2t):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import refresh_layer, reuse_layer
 from ssv_jax import nsa, timing
-from ssv_jax.generate_cli import load_model, prompts
+from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
 from ssv_jax.policy import SSVPolicy
 
 
@@ -60,14 +60,16 @@ def _loop(fn, li, sets: int, iters: int):
 
 
 def _busy(fn, args, trace_dir):
+    """(GPU busy µs, op count, {op name: [µs, count]}) of one traced call of fn(*args) on the first GPU."""
     ops = timing.traced_gpu_ops(lambda: fn(*args), trace_dir)
     rows = ops[min(ops)] if ops else {}
-    return sum(us for us, _ in rows.values()), sum(n for _, n in rows.values())
+    return sum(us for us, _ in rows.values()), sum(n for _, n in rows.values()), rows
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
+    add_dtype_arg(ap)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 15712])
     ap.add_argument("--tree", type=int, nargs=3, default=[4, 6, 32], metavar=("TOP_K", "DEPTH", "BUDGET"))
     ap.add_argument("--iters", type=int, default=32)
@@ -77,7 +79,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.iters < 1 or a.sets < 1:
         raise SystemExit(f"--iters={a.iters} / --sets={a.sets} are invalid; accepted: integers >= 1")
-    m, tok, desc = load_model(argparse.Namespace(random_preset=None, checkpoint=a.checkpoint, seed=0))
+    m, tok, desc = load_model(argparse.Namespace(random_preset=None, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
     cfg = m.cfg
     k, d, b = a.tree
     policy = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend="kernel", schedule=4,
@@ -96,7 +98,7 @@ def main(argv=None):
             q0, g0, ex0)
         empty = _loop(lambda q, *_: q, li, a.sets, a.iters)
         host0 = timing.host_time(empty, sel, li)
-        busy0, ops0 = _busy(empty, (sel, li), os.path.join(trace_root, f"empty{ctx}"))
+        busy0, ops0, _ = _busy(empty, (sel, li), os.path.join(trace_root, f"empty{ctx}"))
         for vname, fn in variants(cfg).items():
             if keep and not any(s in vname for s in keep):
                 continue
@@ -108,9 +110,11 @@ def main(argv=None):
                 row["rel_rms_vs_reference"] = float(err)
                 loop = _loop(fn, li, a.sets, a.iters)
                 row["host_us"] = round((timing.host_time(loop, sel, li) - host0) * 1e3 / a.iters, 2)
-                busy, ops = _busy(loop, (sel, li), os.path.join(trace_root, f"{vname}{ctx}"))
+                busy, ops, by_op = _busy(loop, (sel, li), os.path.join(trace_root, f"{vname}{ctx}"))
                 row["busy_us"] = round((busy - busy0) / a.iters, 2)
                 row["ops"] = round((ops - ops0) / a.iters, 2)
+                row["top_ops"] = {n[:60]: round(us / a.iters, 2) for n, (us, _) in
+                                  sorted(by_op.items(), key=lambda kv: -kv[1][0])[:6]}
             except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result too
                 row["error"] = repr(e)[:300]
             res["rows"].append(row)

@@ -45,6 +45,9 @@ class DraftConfig:
     `feature_layers` are the target layers whose *inputs* are fused by `fc` (must equal the target's
     `ModelConfig.features`). `has_embed=False` means the head has no embedding table and the target's is passed
     in. `max_seq_len` is the draft cache length. `rope_theta` is the head's own RoPE base (plain RoPE, no scaling).
+    `window`: each entry attends to the committed slots within `window` positions of itself (None: all of them).
+    A head trained on sequences of length W has never seen a key further than W back; at longer contexts a window
+    keeps it in that range, and its drafting steps read W slots instead of the whole cache.
     """
 
     hidden: int
@@ -59,6 +62,7 @@ class DraftConfig:
     feature_layers: tuple[int, ...] = (2, 16, 29)  # (2, L/2, L-3) for the 32-layer Llama-3.1-8B
     has_embed: bool = False
     max_seq_len: int = 2048
+    window: int | None = None
 
     def __post_init__(self):
         def need(ok: bool, name: str, value, accepted: str):
@@ -77,6 +81,8 @@ class DraftConfig:
              f"a multiple of n_kv_heads={self.n_kv_heads}")
         need(self.draft_vocab <= self.target_vocab, "draft_vocab", self.draft_vocab,
              f"an integer in [1, target_vocab={self.target_vocab}]")
+        need(self.window is None or (isinstance(self.window, int) and self.window >= 1), "window", self.window,
+             "None (attend to every committed slot) or an integer >= 1")
         need(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
         need(self.norm_eps > 0, "norm_eps", self.norm_eps, "> 0")
         fl = self.feature_layers
@@ -354,8 +360,9 @@ def draft_extend(params: dict, dcfg: DraftConfig, embed: jax.Array | None, feats
     new_len = jnp.maximum(cache.length, jnp.max(jnp.where(valid, positions + 1, 0), axis=1)).astype(jnp.int32)
 
     def mask(s0, n):
-        s_idx = s0 + jnp.arange(n)
-        return (s_idx[None, None, :] <= positions[:, :, None]) & (s_idx[None, None, :] < new_len[:, None, None])
+        s_idx = (s0 + jnp.arange(n))[None, None, :]
+        ok = (s_idx <= positions[:, :, None]) & (s_idx < new_len[:, None, None])
+        return ok if dcfg.window is None else ok & (s_idx > positions[:, :, None] - dcfg.window)
 
     attn = _attend(q, [(ck, cv, mask)], dcfg)
     hidden = _finish(params, dcfg, h, attn)
@@ -367,7 +374,8 @@ def draft_tree_step(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hi
                     ext_v: jax.Array, ext_mask: jax.Array):
     """One drafting step for M in-flight nodes; nothing is committed.
 
-    Each node attends to every committed cache slot (< cache.length), to the in-flight keys `ext_k/ext_v`
+    Each node attends to the committed cache slots (< cache.length; with `dcfg.window`, those within `window`
+    positions of the node, read from a slice of the cache), to the in-flight keys `ext_k/ext_v`
     [B, E, Hkv, D] it may see (`ext_mask` [B, M, E], normally its in-tree ancestors' entries), and to itself.
 
     Args:
@@ -381,16 +389,32 @@ def draft_tree_step(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hi
     q, k, v = _qkv(params, dcfg, emb, hidden, positions)
     B, M = tokens.shape
 
+    ck, cv, first = _window_slice(cache, dcfg.window)
+
     def cmask(s0, n):
-        return jnp.broadcast_to(((s0 + jnp.arange(n))[None, :] < cache.length[:, None])[:, None, :], (B, M, n))
+        slot = (first[:, None] + s0 + jnp.arange(n)[None, :])[:, None, :]  # [B, 1, n]
+        ok = jnp.broadcast_to(slot < cache.length[:, None, None], (B, M, n))
+        return ok if dcfg.window is None else ok & (slot > positions[:, :, None] - dcfg.window)
 
     self_mask = jnp.broadcast_to(jnp.eye(M, dtype=bool)[None], (B, M, M))
-    parts = [(cache.k, cache.v, cmask), (k, v, self_mask)]
+    parts = [(ck, cv, cmask), (k, v, self_mask)]
     if ext_k.shape[1] > 0:
         parts.insert(1, (ext_k, ext_v, ext_mask))
     attn = _attend(q, parts, dcfg)
     out = _finish(params, dcfg, hidden, attn)
     return out, draft_logits(params, dcfg, out), k, v
+
+
+def _window_slice(cache: DraftCache, window: int | None):
+    """(k, v, first slot [B]) of the cache slots a drafting step reads: the whole cache (first = 0), or with a
+    window shorter than the cache, the `window` slots ending at each row's `length` (clamped to the cache). Every
+    committed slot within the window of a node at a position >= length - 1 lies in that slice."""
+    B, S = cache.k.shape[:2]
+    if window is None or window >= S:
+        return cache.k, cache.v, jnp.zeros((B,), jnp.int32)
+    first = jnp.clip(cache.length - window, 0, S - window).astype(jnp.int32)
+    take = jax.vmap(lambda x, f: jax.lax.dynamic_slice_in_dim(x, f, window, 0))
+    return take(cache.k, first), take(cache.v, first), first
 
 
 # -- the NNX module --------------------------------------------------------------------------------------------

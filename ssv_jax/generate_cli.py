@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", default=None, help=f"bundle directory (default: {DEFAULT_CKPT} if present)")
     src.add_argument("--random-preset", default=None, help="no checkpoint: a randomly initialised preset "
                      "(tiny, small) with a random EAGLE-3 head; prints token ids")
+    add_dtype_arg(src)
     p = ap.add_argument_group("prompt")
     p.add_argument("--prompt", default=None, help="prompt text")
     p.add_argument("--prompt-file", default=None, help="read the prompt from a file")
@@ -50,6 +51,28 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--precision", choices=["exact", "strict", "approx"])
     pol.add_argument("--backend", choices=["reference", "kernel", "naive", "dense"])
     return ap
+
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def add_dtype_arg(ap) -> None:
+    """`--dtype` of the weights and caches: auto = bfloat16 on a GPU (the kernels' dots then run on tensor
+    cores; fp32 kernel dots run at full precision on the CUDA cores), float32 elsewhere."""
+    ap.add_argument("--dtype", choices=DTYPES, default="auto",
+                    help="weights and caches: auto = bfloat16 on a GPU, float32 on the CPU (default auto)")
+
+
+def resolve_dtype(name: str | None):
+    """The jnp dtype of a `--dtype` value (None or "auto": bfloat16 on a GPU backend, else float32)."""
+    import jax
+    import jax.numpy as jnp
+
+    if name in (None, "auto"):
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is invalid; accepted: {DTYPES}")
+    return jnp.dtype(name)
 
 
 def policy_from_args(a):
@@ -104,8 +127,10 @@ def default_prompt(tok, n_tokens: int) -> tuple[str, str]:
 
 
 def load_model(a):
-    """(SSVModel, tokenizer or None, description)."""
+    """(SSVModel, tokenizer or None, description) from parsed flags: `checkpoint`, `random_preset`, `seed` and
+    optionally `dtype` (see `resolve_dtype`; a bundle's weights are cast to it, a random preset is made in it)."""
     import jax
+    import jax.numpy as jnp
 
     from ssv_jax import draft as dr
     from ssv_jax import model as M
@@ -115,9 +140,10 @@ def load_model(a):
     if a.random_preset:
         cfg = get_config(a.random_preset)
         dcfg = dr.DraftConfig.for_target(cfg)
-        m = SSVModel(cfg, M.init_params(cfg, jax.random.key(a.seed)), dcfg,
-                     dr.init_draft_params(dcfg, jax.random.key(a.seed + 1)))
-        return m, None, f"random-initialised preset {a.random_preset!r} (not a trained model)"
+        dt = resolve_dtype(getattr(a, "dtype", None))
+        m = SSVModel(cfg, M.init_params(cfg, jax.random.key(a.seed), dtype=dt), dcfg,
+                     dr.init_draft_params(dcfg, jax.random.key(a.seed + 1), dtype=dt))
+        return m, None, f"random-initialised preset {a.random_preset!r} (not a trained model, {jnp.dtype(dt).name})"
     path = a.checkpoint or DEFAULT_CKPT
     if not os.path.isdir(path):
         if a.checkpoint:
@@ -129,8 +155,10 @@ def load_model(a):
         return load_model(a)
     from ssv_jax.checkpoint import load_bundle
 
-    b = load_bundle(path)
-    return SSVModel(b.cfg, b.params, b.draft_cfg, b.draft_params), b.tokenizer, f"bundle {path}"
+    dt = resolve_dtype(getattr(a, "dtype", None))
+    b = load_bundle(path, dtype=dt)
+    return (SSVModel(b.cfg, b.params, b.draft_cfg, b.draft_params), b.tokenizer,
+            f"bundle {path} ({jnp.dtype(dt).name})")
 
 
 def main(argv=None) -> int:

@@ -62,6 +62,7 @@ def test_check_compatible_mismatch(change, what):
     (dict(draft_vocab=257), "draft_vocab=257"),
     (dict(feature_layers=()), r"feature_layers=\(\)"),
     (dict(rope_theta=0.0), "rope_theta=0.0"),
+    (dict(window=0), "window=0"),
 ])
 def test_config_validation(change, what):
     with pytest.raises(ValueError, match=f"DraftConfig.{what} is invalid; accepted"):
@@ -218,28 +219,34 @@ def test_chunked_attention_equals_dense(setup, monkeypatch):
     np.testing.assert_array_equal(chunked[2].length, [T, 6])
 
 
-def test_tree_steps_equal_committing_the_path(setup):
+@pytest.mark.parametrize("window", [None, 5])
+def test_tree_steps_equal_committing_the_path(setup, window):
     """A chain of tree steps (each seeing the earlier chain entries in flight) computes what `draft_extend`
     computes when it commits the same entries: with fc = [I; 0; 0] the extend's h equals the given hidden, so
-    positions, masks and the self key must agree exactly."""
+    positions, masks and the self key must agree exactly. With an attention window shorter than the context, the
+    tree step (which reads a slice of the cache) and the extend (which masks the whole cache) agree too."""
     params, embed, feats, nxt, pos = setup
+    dcfg = DCFG.replace(window=window)
     H = CFG.hidden
     p = dict(params, fc=jnp.concatenate([jnp.eye(H), jnp.zeros((2 * H, H))], 0))
-    _, _, c = extend(p, DCFG, embed, feats, nxt, pos, jnp.ones((B, T), bool), init_draft_cache(DCFG, B))
+    _, _, c = extend(p, dcfg, embed, feats, nxt, pos, jnp.ones((B, T), bool), init_draft_cache(dcfg, B))
     L = 3
     hs = jax.random.normal(jax.random.key(8), (B, L, H))
     toks = jax.random.randint(jax.random.key(9), (B, L), 0, CFG.vocab_size)
     cpos = T + jnp.broadcast_to(jnp.arange(L), (B, L))
     f = jnp.concatenate([hs, jnp.zeros((B, L, 2 * H))], -1)
-    h_ext, l_ext, _ = extend(p, DCFG, embed, f, toks, cpos, jnp.ones((B, L), bool), c)
+    h_ext, l_ext, _ = extend(p, dcfg, embed, f, toks, cpos, jnp.ones((B, L), bool), c)
     step = jax.jit(draft_tree_step, static_argnums=1)
     ks, vs = jnp.zeros((B, 0, CFG.n_kv_heads, CFG.head_dim)), jnp.zeros((B, 0, CFG.n_kv_heads, CFG.head_dim))
     for j in range(L):
-        out, lg, k, v = step(p, DCFG, embed, hs[:, j:j + 1], toks[:, j:j + 1], cpos[:, j:j + 1], c, ks, vs,
+        out, lg, k, v = step(p, dcfg, embed, hs[:, j:j + 1], toks[:, j:j + 1], cpos[:, j:j + 1], c, ks, vs,
                              jnp.ones((B, 1, j), bool))
         np.testing.assert_allclose(out[:, 0], h_ext[:, j], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(lg[:, 0], l_ext[:, j], rtol=1e-5, atol=1e-5)
         ks, vs = jnp.concatenate([ks, k], 1), jnp.concatenate([vs, v], 1)
+    if window is not None:  # the window changed what the entries see
+        h_all, _, _ = extend(p, DCFG, embed, f, toks, cpos, jnp.ones((B, L), bool), c)
+        assert float(jnp.max(jnp.abs(h_all - h_ext))) > 1e-3
 
 
 def test_shape_validation(setup):

@@ -57,6 +57,7 @@ def test_eagle3_smoke(tiny_bundle):
     assert all(np.isfinite(res["val_ce_per_step"]))
     b = load_bundle(d / "full")
     assert b.draft_cfg.draft_vocab == res["draft_vocab"] and b.draft_cfg.feature_layers == b.cfg.features
+    assert b.draft_cfg.window == res["seq_len"]  # the head drafts within the distances it was trained on
     ids = draft_to_target(b.draft_params, jnp.arange(b.draft_cfg.draft_vocab))
     assert bool(jnp.all(jnp.diff(ids) > 0)) and int(ids[0]) == b.tokenizer.eos_id  # sorted, EOS included
     assert bool(jnp.all(b.draft_params["t2d"][ids]))
