@@ -197,3 +197,30 @@ def test_round_profile_reports_ar_steps_ssv_rounds_and_stages(tmp_path):
                                                  / res["ssv"]["host_ms_per_round"])
     with pytest.raises(SystemExit, match="--rounds=0"):
         _script("profile_round").main(["--random-preset", "tiny", "--rounds", "0"])
+
+
+def test_draft_window_runs_decode_the_same_tokens_per_prompt(tmp_path):
+    """draft_window.py: for each prompt, every window decodes the target's greedy tokens (only tau may differ), and
+    the JSON has one row per (prompt, window) and a mean tau per (context, window)."""
+    out = tmp_path / "dw.json"
+    _script("draft_window").main(["--checkpoint", str(ROOT / "checkpoints" / "ssv-small"), "--contexts", "300",
+                                  "--windows", "none", "64", "--prompts", "1", "--new-tokens", "8",
+                                  "--tree", "2", "3", "8", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert [(r["context"], r["window"]) for r in res["rows"]] == [(300, None), (300, 64)]
+    assert all(r["same_tokens_as_first_window"] and 1.0 <= r["tau"] <= 4.0 for r in res["rows"])
+    assert res["bundle_window"] == 4096 and set(res["summary"]) == {"300/None", "300/64"}
+    with pytest.raises(SystemExit):
+        _script("draft_window").main(["--windows", "0"])
+
+
+def test_bundle_layer_variants_match_the_reference_before_they_are_timed(tmp_path):
+    """tune_bundle_layers.py checks each variant's output against `nsa.nsa_attention` at the bundled model's verify
+    shapes (interpret mode on CPU) and records its host time; on CPU the trace has no GPU ops."""
+    out = tmp_path / "bl.json"
+    _script("tune_bundle_layers").main(["--checkpoint", str(ROOT / "checkpoints" / "ssv-small"), "--contexts", "256",
+                                        "--iters", "1", "--sets", "1", "--only", "reuse_L1_C4_splitauto_w4",
+                                        "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["variant"] == "reuse_L1_C4_splitauto_w4" and row["context"] == 256
+    assert row["rel_rms_vs_reference"] < 1e-4 and "host_us" in row and row["ops"] == 0
