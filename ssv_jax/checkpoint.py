@@ -245,10 +245,26 @@ def read_bundle_meta(path: str | Path) -> dict:
     return meta
 
 
-def load_bundle(path: str | Path, dtype=jnp.float32, *, verify: bool = True) -> Bundle:
-    """Reads a bundle written by `save_bundle`. Floating arrays are cast to `dtype` (None keeps the stored
-    dtype). `verify` checks each shard's SHA-256. Raises FileNotFoundError for a missing directory and
-    ValueError for a corrupt or foreign one."""
+def inference_dtype(name="auto"):
+    """The compute dtype for a name or dtype: "auto" is bfloat16 on a GPU backend (the Pallas kernels' dots then
+    run on tensor cores; fp32 kernel dots run at full precision on the CUDA cores, several times slower) and
+    float32 elsewhere (the CPU tests and exactness checks); None stays None (keep the stored dtype)."""
+    if name is None:
+        return None
+    if isinstance(name, str) and name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    try:
+        return jnp.dtype(name)
+    except TypeError as e:
+        raise ValueError(f"dtype={name!r} is invalid; accepted: 'auto', 'float32', 'bfloat16' (or a dtype), "
+                         "or None (keep the stored dtype)") from e
+
+
+def load_bundle(path: str | Path, dtype="auto", *, verify: bool = True) -> Bundle:
+    """Reads a bundle written by `save_bundle`. Floating arrays are cast to `dtype` (`inference_dtype`: "auto" is
+    bfloat16 on a GPU, float32 elsewhere; None keeps the stored dtype). `verify` checks each shard's SHA-256.
+    Raises FileNotFoundError for a missing directory and ValueError for a corrupt or foreign one."""
+    dtype = inference_dtype(dtype)
     path = Path(path)
     meta = read_bundle_meta(path)
     cfg = ModelConfig.from_dict(meta["model"])

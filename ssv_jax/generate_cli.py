@@ -65,14 +65,11 @@ def add_dtype_arg(ap) -> None:
 
 def resolve_dtype(name: str | None):
     """The jnp dtype of a `--dtype` value (None or "auto": bfloat16 on a GPU backend, else float32)."""
-    import jax
-    import jax.numpy as jnp
+    from ssv_jax.checkpoint import inference_dtype
 
-    if name in (None, "auto"):
-        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    if name not in DTYPES:
+    if name is not None and name not in DTYPES:
         raise ValueError(f"dtype={name!r} is invalid; accepted: {DTYPES}")
-    return jnp.dtype(name)
+    return inference_dtype(name or "auto")
 
 
 def policy_from_args(a):

@@ -131,3 +131,17 @@ def test_bundled_checkpoint_loads_and_matches_the_small_preset():
     assert b.tokenizer.decode(b.tokenizer.encode(text)) == text
     for k in ("target_training", "draft_training"):
         assert meta["meta"][k]["steps"] > 0 and np.isfinite(meta["meta"][k]["val_loss"])
+
+
+def test_inference_dtype_is_fp32_on_the_cpu_and_names_a_bad_value(tmp_path):
+    """load_bundle's default "auto" is bf16 on a GPU and fp32 here (the exactness tests' dtype); a named dtype is
+    taken as given; anything else is a ValueError naming the value."""
+    import jax.numpy as jnp
+
+    assert ck.inference_dtype("auto") == jnp.float32  # this suite runs on the CPU
+    assert ck.inference_dtype("bfloat16") == jnp.bfloat16 and ck.inference_dtype(None) is None
+    ck.save_bundle(tmp_path / "b", get_config("tiny"), _params(0))
+    assert ck.load_bundle(tmp_path / "b").params["embed"].dtype == jnp.float32
+    assert ck.load_bundle(tmp_path / "b", dtype="bfloat16").params["embed"].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="dtype='fp8ish' is invalid"):
+        ck.inference_dtype("fp8ish")
