@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--random-preset", default=None, help="no checkpoint: a randomly initialised preset "
                      "(tiny, small) with a random EAGLE-3 head; prints token ids")
     add_dtype_arg(src)
+    src.add_argument("--draft-window", type=int, default=None,
+                     help="the head's attention window when drafting (default: the head's own, DraftConfig.window; "
+                          "0: none, attend to every committed slot)")
     p = ap.add_argument_group("prompt")
     p.add_argument("--prompt", default=None, help="prompt text")
     p.add_argument("--prompt-file", default=None, help="read the prompt from a file")
@@ -165,6 +168,10 @@ def main(argv=None) -> int:
 
     policy = policy_from_args(a)
     m, tok, desc = load_model(a)
+    if a.draft_window is not None:
+        if a.draft_window < 0:
+            raise SystemExit(f"--draft-window={a.draft_window} is invalid; accepted: 0 (none) or an integer >= 1")
+        m = m._replace(draft_cfg=m.draft_cfg.replace(window=a.draft_window or None))
     if a.prompt is not None or a.prompt_file is not None:
         if tok is None:
             raise SystemExit("--prompt needs a checkpoint with a tokenizer; accepted: --checkpoint DIR")

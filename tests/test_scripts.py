@@ -224,3 +224,15 @@ def test_bundle_layer_variants_match_the_reference_before_they_are_timed(tmp_pat
     (row,) = json.loads(out.read_text())["rows"]
     assert row["variant"] == "reuse_L1_C4_splitauto_w4" and row["context"] == 256
     assert row["rel_rms_vs_reference"] < 1e-4 and "host_us" in row and row["ops"] == 0
+
+
+def test_generate_cli_with_a_draft_window_still_decodes_the_ar_tokens(capsys):
+    """ssv_generate.py --draft-window overrides the head's window; greedy SSV still emits greedy AR's tokens
+    (--compare-ar says so), and a negative window is refused with the accepted range."""
+    from ssv_jax.generate_cli import main
+
+    assert main(["--random-preset", "tiny", "--prompt-tokens", "300", "--max-new-tokens", "12", "--draft-window", "64",
+                 "--top-k", "2", "--depth", "3", "--budget", "8", "--compare-ar"]) == 0
+    assert "greedy outputs identical: True" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--draft-window=-1 is invalid; accepted: 0"):
+        main(["--random-preset", "tiny", "--draft-window", "-1"])
