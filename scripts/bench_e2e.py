@@ -60,7 +60,8 @@ def main(argv=None):
     ap.add_argument("--out", default="docs/results/e2e_h200.json")
     a = ap.parse_args(argv)
 
-    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
+    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
+                                                 dtype=a.dtype))
     k, d, b = a.tree
     exact = a.schedule is None or all(parse(a.schedule, m.cfg.n_layers))
     fixed = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend, schedule=a.schedule,

@@ -1,6 +1,7 @@
 """Acceptance of the bundled model's head with and without a drafting attention window (issue #8).
 
-    python scripts/draft_window.py --contexts 8192 15712 --windows none 4096 2048 --out docs/results/draft_window_cpu.json
+    python scripts/draft_window.py --contexts 8192 15712 --windows none 4096 \
+        --out docs/results/draft_window_cpu.json
 
 The head was trained on sequences of 4096 tokens, so at longer contexts it attends over distances it never saw.
 `DraftConfig.window` limits its attention to the committed slots within `window` positions. For each context and

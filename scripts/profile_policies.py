@@ -59,7 +59,8 @@ def main(argv=None):
     ap.add_argument("--out", default="docs/results/policy_profile.json")
     a = ap.parse_args(argv)
 
-    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
+    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
+                                                 dtype=a.dtype))
     trees = [tuple(int(x) for x in t.split(",")) for t in a.trees.split(";")]
     cands = candidate_policies(trees, a.orders, a.modes, a.group_sizes, a.schedules, a.backend)
     per_bucket, used = {}, []  # per_bucket: bucket -> policy index -> measurements over its contexts

@@ -74,7 +74,8 @@ def main(argv=None):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name}={getattr(a, name)} is invalid; accepted: an integer >= 1")
     trace_root = a.trace_dir or tempfile.mkdtemp(prefix="ssv_round_profile_")
-    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
+    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
+                                                 dtype=a.dtype))
     cfg = m.cfg
     k, d, b = a.tree
     policy = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend,

@@ -43,20 +43,16 @@ def variants(cfg):
                 for warps in ((4, 2) if nsplit is None else (4,)):
                     name = f"reuse_L{launches}_C{c}_split{nsplit or 'auto'}_w{warps}"
                     out[name] = (lambda q, t, g, lay, T, ex, s, c=c, n=launches, ns=nsplit, w=warps: reuse_layer(
-                        q, t, g, *lay, T, s, cfg, ex, group_size=c, launches=n, nsplit=ns, num_warps=w, interpret=ip)[0])
+                        q, t, g, *lay, T, s, cfg, ex, group_size=c, launches=n, nsplit=ns, num_warps=w,
+                        interpret=ip)[0])
         for walk in ("mask", "skip"):
             out[f"refresh_C{c}_{walk}"] = (lambda q, t, g, lay, T, ex, s, c=c, w=walk: refresh_layer(
                 q, t, g, *lay, T, cfg, ex, group_size=c, walk=w, interpret=ip)[0])
     return out
 
 
-def _loop(fn, li, sets: int, iters: int):
-    def run(sel, li):
-        def body(i, acc):
-            q, g, ex = li.rotated(i % sets)
-            return acc + jnp.sum(fn(q, li.pos, g, li.layer, li.T, ex, sel).astype(jnp.float32))
-        return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
-    return jax.jit(run)
+def _loop(fn, iters: int):
+    return timing.attention_loop(lambda li, q, g, ex, s: fn(q, li.pos, g, li.layer, li.T, ex, s), iters)
 
 
 def _busy(fn, args, trace_dir):
@@ -96,7 +92,7 @@ def main(argv=None):
         q0, g0, ex0 = li.rotated(0)
         o_ref, sel = jax.jit(lambda q, g, ex: nsa.nsa_attention(q, li.pos, g, *li.layer, li.T, cfg, extra=ex))(
             q0, g0, ex0)
-        empty = _loop(lambda q, *_: q, li, a.sets, a.iters)
+        empty = _loop(lambda q, *_: q, a.iters)
         host0 = timing.host_time(empty, sel, li)
         busy0, ops0, _ = _busy(empty, (sel, li), os.path.join(trace_root, f"empty{ctx}"))
         for vname, fn in variants(cfg).items():
@@ -108,7 +104,7 @@ def main(argv=None):
                 err = jnp.sqrt(jnp.mean((o.astype(jnp.float32) - o_ref.astype(jnp.float32)) ** 2)
                                / jnp.mean(o_ref.astype(jnp.float32) ** 2))
                 row["rel_rms_vs_reference"] = float(err)
-                loop = _loop(fn, li, a.sets, a.iters)
+                loop = _loop(fn, a.iters)
                 row["host_us"] = round((timing.host_time(loop, sel, li) - host0) * 1e3 / a.iters, 2)
                 busy, ops, by_op = _busy(loop, (sel, li), os.path.join(trace_root, f"{vname}{ctx}"))
                 row["busy_us"] = round((busy - busy0) / a.iters, 2)

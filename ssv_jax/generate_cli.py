@@ -66,15 +66,6 @@ def add_dtype_arg(ap) -> None:
                     help="weights and caches: auto = bfloat16 on a GPU, float32 on the CPU (default auto)")
 
 
-def resolve_dtype(name: str | None):
-    """The jnp dtype of a `--dtype` value (None or "auto": bfloat16 on a GPU backend, else float32)."""
-    from ssv_jax.checkpoint import inference_dtype
-
-    if name is not None and name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is invalid; accepted: {DTYPES}")
-    return inference_dtype(name or "auto")
-
-
 def policy_from_args(a):
     """An SSVPolicy from the flags given, or "auto" when none is."""
     from ssv_jax.policy import SSVPolicy
@@ -128,19 +119,21 @@ def default_prompt(tok, n_tokens: int) -> tuple[str, str]:
 
 def load_model(a):
     """(SSVModel, tokenizer or None, description) from parsed flags: `checkpoint`, `random_preset`, `seed` and
-    optionally `dtype` (see `resolve_dtype`; a bundle's weights are cast to it, a random preset is made in it)."""
+    optionally `dtype` (`checkpoint.inference_dtype`, default "auto"; a bundle's weights are cast to it, a random
+    preset is made in it)."""
     import jax
     import jax.numpy as jnp
 
     from ssv_jax import draft as dr
     from ssv_jax import model as M
+    from ssv_jax.checkpoint import inference_dtype, load_bundle
     from ssv_jax.config import get_config
     from ssv_jax.speculative import SSVModel
 
+    dt = inference_dtype(getattr(a, "dtype", None) or "auto")
     if a.random_preset:
         cfg = get_config(a.random_preset)
         dcfg = dr.DraftConfig.for_target(cfg)
-        dt = resolve_dtype(getattr(a, "dtype", None))
         m = SSVModel(cfg, M.init_params(cfg, jax.random.key(a.seed), dtype=dt), dcfg,
                      dr.init_draft_params(dcfg, jax.random.key(a.seed + 1), dtype=dt))
         return m, None, f"random-initialised preset {a.random_preset!r} (not a trained model, {jnp.dtype(dt).name})"
@@ -153,9 +146,6 @@ def load_model(a):
               "EAGLE-3 head (acceptance will be ~1 token per round)", flush=True)
         a.random_preset = "small"
         return load_model(a)
-    from ssv_jax.checkpoint import load_bundle
-
-    dt = resolve_dtype(getattr(a, "dtype", None))
     b = load_bundle(path, dtype=dt)
     return (SSVModel(b.cfg, b.params, b.draft_cfg, b.draft_params), b.tokenizer,
             f"bundle {path} ({jnp.dtype(dt).name})")

@@ -222,16 +222,22 @@ def attention_split(model: SSVModel, policy: SSVPolicy, state: RoundState, *, it
         li.qs[0], li.gs[0], li.extra, li.layer)
 
     def loop(refresh):
-        def run(sel, li):
-            def body(i, acc):
-                q, g, ex = li.rotated(i % sets)
-                o, _ = attn(q, li.pos, g, *li.layer, li.T, cfg, extra=ex, sel=None if refresh else sel)
-                return acc + jnp.sum(o.astype(jnp.float32))
-            return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
-        return jax.jit(run)
+        return attention_loop(lambda li, q, g, ex, sel: attn(q, li.pos, g, *li.layer, li.T, cfg, extra=ex,
+                                                              sel=None if refresh else sel)[0], iters)
 
     return (host_time(loop(True), sel0, li, reps=reps) / iters * 1e3,
             host_time(loop(False), sel0, li, reps=reps) / iters * 1e3)
+
+
+def attention_loop(fn, iters: int):
+    """Jitted (sel, li: LayerInputs) -> the sum of `iters` calls of fn(li, q, gates, extra, sel) -> o, each on the
+    next of li's rotated input sets, inside one fori_loop (li is an argument, so the cache is not a constant)."""
+    def run(sel, li):
+        def body(i, acc):
+            q, g, ex = li.rotated(i % li.qs.shape[0])
+            return acc + jnp.sum(fn(li, q, g, ex, sel).astype(jnp.float32))
+        return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+    return jax.jit(run)
 
 
 def ssv_round_split(model: SSVModel, policy: SSVPolicy, state: RoundState, eos, *, rounds: int = 8, reps: int = 5,
