@@ -7,6 +7,7 @@ No NSA math lives here: the kernels are tested against `ssv_jax.nsa`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -244,8 +245,26 @@ def finish(state):
     return acc / jnp.where(l > 0, l, 1.0)[:, None]
 
 
+COMBINE_UNROLL_MAX = 16  # splits up to which `combine` is written elementwise over the split slices
+
+
 def combine(acc, m, l, axis: int):
-    """LSE combine of split partial states along `axis` (acc has a trailing D axis). Returns (o, m, l)."""
+    """LSE combine of split partial states along `axis` (acc has a trailing D axis). Returns (o, m, l).
+
+    Up to `COMBINE_UNROLL_MAX` splits the split axis is unrolled into elementwise maxima and sums of its slices:
+    XLA then emits one loop fusion (which also takes in elementwise consumers such as the branch gates) where
+    the max-then-sum reductions take separate exp and reduce fusions, each a launch on the small verify and
+    drafting shapes."""
+    n = m.shape[axis]
+    if n <= COMBINE_UNROLL_MAX:
+        ms = [jax.lax.index_in_dim(m, i, axis, keepdims=False) for i in range(n)]
+        mt = functools.reduce(jnp.maximum, ms)
+        ws = [jnp.exp(mi - mt) for mi in ms]
+        lt = functools.reduce(jnp.add, [w * jax.lax.index_in_dim(l, i, axis, keepdims=False)
+                                        for i, w in enumerate(ws)])
+        o = functools.reduce(jnp.add, [w[..., None] * jax.lax.index_in_dim(acc, i, axis, keepdims=False)
+                                       for i, w in enumerate(ws)])
+        return o / jnp.where(lt > 0, lt, 1.0)[..., None], mt, lt
     mt = jnp.max(m, axis=axis, keepdims=True)
     w = jnp.exp(m - mt)
     lt = jnp.sum(w * l, axis=axis)

@@ -39,20 +39,22 @@ def greedy_accept(tree: Tree, target_logits: jax.Array, max_depth: int | None = 
     """
     md = _max_depth(tree, max_depth)
     B, N = tree.tokens.shape
-    path = jnp.full((B, md + 1), -1, jnp.int32).at[:, 0].set(0)
-    cur = jnp.zeros((B,), jnp.int32)
-    done = jnp.zeros((B,), bool)
-    n = jnp.zeros((B,), jnp.int32)
-    for level in range(md):
-        best = jnp.argmax(_node_rows(target_logits, cur), axis=-1).astype(jnp.int32)
-        hit = (tree.parents == cur[:, None]) & (tree.tokens == best[:, None])
-        found = jnp.any(hit, axis=1) & ~done
-        child = jnp.argmax(hit, axis=1).astype(jnp.int32)  # first matching sibling
-        cur = jnp.where(found, child, cur)
-        path = path.at[:, level + 1].set(jnp.where(found, child, -1))
-        n = n + found
-        done = done | ~found
-    bonus = jnp.argmax(_node_rows(target_logits, cur), axis=-1).astype(jnp.int32)
+    # The walk, for all nodes at once: node i is "good" when its token is the target argmax after its parent,
+    # "chosen" when it is also its parent's first good child (node-index order), and accepted when it and all
+    # its ancestors are chosen (depth <= md). One argmax over every node instead of one per level.
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
+    par = tree.parents
+    good = (par >= 0) & (tree.tokens == jnp.take_along_axis(best, jnp.maximum(par, 0), axis=1))
+    idx = jnp.arange(N)
+    earlier_good_sibling = ((par[:, :, None] == par[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
+                            & good[:, None, :])  # [B, i, j]
+    chosen = (good & ~jnp.any(earlier_good_sibling, axis=-1)) | (par < 0)
+    accepted = jnp.all(~tree.mask | chosen[:, None, :], axis=-1) & (tree.depth <= md)  # [B, N]
+    at = accepted[:, None, :] & (tree.depth[:, None, :] == jnp.arange(md + 1)[None, :, None])  # [B, md+1, N]
+    path = jnp.where(jnp.any(at, axis=-1), jnp.argmax(at, axis=-1), -1).astype(jnp.int32)
+    n = (jnp.sum(accepted, axis=1) - 1).astype(jnp.int32)
+    cur = jnp.take_along_axis(path, n[:, None], axis=1)[:, 0]
+    bonus = jnp.take_along_axis(best, cur[:, None], axis=1)[:, 0]
     return path, n, bonus
 
 

@@ -283,14 +283,14 @@ def _chunk(S: int, per_key: int) -> int:
     return max(c for c in range(1, target + 1) if S % c == 0)
 
 
-def _attend(q, parts, dcfg: DraftConfig):
+def _attend(q, parts):
     """Joint softmax of q [B, M, Hq, D] over several key sets without concatenating them.
 
     `parts` is a list of (k [B, S_i, Hkv, D], v [B, S_i, Hkv, D], mask) where mask is [B, M, S_i] bool or a
     function (start, size) -> [B, M, size] (so long caches never materialise a full mask). Returns [B, M, Hq*D].
     """
     B, M, Hq, D = q.shape
-    Hkv = dcfg.n_kv_heads
+    Hkv = parts[0][0].shape[2]
     qg = q.reshape(B, M, Hkv, Hq // Hkv, D).astype(jnp.float32) / math.sqrt(D)
     stats = None
     for k, v, mask in parts:
@@ -315,6 +315,35 @@ def _attend(q, parts, dcfg: DraftConfig):
     return (acc / l).reshape(B, M, Hq * D).astype(q.dtype)
 
 
+def draft_attention(q, k, v, length, positions, window: int | None = None, extra=()):
+    """The head's attention, the reference (`pallas_kernels.draft_attention` is the kernel path, same contract).
+
+    q [B, M, Hq, D]: the entries' queries at head positions `positions` [B, M]. k, v [B, S, Hkv, D]: the head
+    cache with `length` [B] committed slots; an entry sees the slots s < length with s <= its position and, with
+    `window`, s > position - window. `extra`: further key sets (k [B, E, Hkv, D], v, mask [B, M, E] bool), each
+    key seen where its mask says. Returns [B, M, Hq * D] in q's dtype; an entry that sees no key gets zeros.
+
+    With a window shorter than the cache, only the slice of `window + M - 1` slots from the first entry's window
+    start is read: every visible slot lies in it when a row's positions span at most M - 1 (a tree level's nodes
+    share one position; `draft_extend` runs consecutive ones)."""
+    B, M = positions.shape
+    S = k.shape[1]
+    first = jnp.zeros((B,), jnp.int32)
+    if window is not None and window + M - 1 < S:
+        W = window + M - 1
+        first = jnp.clip(jnp.min(positions, 1) - window + 1, 0, S - W).astype(jnp.int32)
+        take = jax.vmap(lambda x, f: jax.lax.dynamic_slice_in_dim(x, f, W, 0))
+        k, v = take(k, first), take(v, first)
+
+    def mask(s0, n):
+        slot = (first[:, None] + s0 + jnp.arange(n)[None, :])[:, None, :]  # [B, 1, n]
+        p = positions[:, :, None]
+        ok = (slot < length[:, None, None]) & (slot <= p)
+        return ok if window is None else ok & (slot > p - window)
+
+    return _attend(q, [(k, v, mask)] + list(extra))
+
+
 def _finish(params, dcfg: DraftConfig, h, attn):
     h = h + attn @ params["wo"]
     x = _rms(h, params["post_norm"], dcfg.norm_eps)
@@ -328,9 +357,11 @@ def draft_logits(params: dict, dcfg: DraftConfig, hidden: jax.Array) -> jax.Arra
 
 
 def draft_extend(params: dict, dcfg: DraftConfig, embed: jax.Array | None, feats: jax.Array,
-                 next_tokens: jax.Array, positions: jax.Array, valid: jax.Array, cache: DraftCache):
+                 next_tokens: jax.Array, positions: jax.Array, valid: jax.Array, cache: DraftCache, *,
+                 attention=None):
     """Run the head on A entries and commit the valid ones into its cache (prefill, and committing accepted
-    tokens after verification).
+    tokens after verification). `attention`: the attention primitive (default the reference `draft_attention`;
+    the GPU rounds pass `pallas_kernels.draft_attention`, same contract).
 
     Args:
       params, dcfg: the head; `embed` [V, H] the target's embedding (ignored when the head has its own).
@@ -358,13 +389,7 @@ def draft_extend(params: dict, dcfg: DraftConfig, embed: jax.Array | None, feats
     ck = cache.k.at[bidx, slot].set(k.astype(cache.k.dtype), mode="drop")
     cv = cache.v.at[bidx, slot].set(v.astype(cache.v.dtype), mode="drop")
     new_len = jnp.maximum(cache.length, jnp.max(jnp.where(valid, positions + 1, 0), axis=1)).astype(jnp.int32)
-
-    def mask(s0, n):
-        s_idx = (s0 + jnp.arange(n))[None, None, :]
-        ok = (s_idx <= positions[:, :, None]) & (s_idx < new_len[:, None, None])
-        return ok if dcfg.window is None else ok & (s_idx > positions[:, :, None] - dcfg.window)
-
-    attn = _attend(q, [(ck, cv, mask)], dcfg)
+    attn = (attention or draft_attention)(q, ck, cv, new_len, positions, dcfg.window)
     hidden = _finish(params, dcfg, h, attn)
     return hidden, draft_logits(params, dcfg, hidden), DraftCache(ck, cv, new_len)
 
@@ -375,46 +400,42 @@ def draft_tree_step(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hi
     """One drafting step for M in-flight nodes; nothing is committed.
 
     Each node attends to the committed cache slots (< cache.length; with `dcfg.window`, those within `window`
-    positions of the node, read from a slice of the cache), to the in-flight keys `ext_k/ext_v`
-    [B, E, Hkv, D] it may see (`ext_mask` [B, M, E], normally its in-tree ancestors' entries), and to itself.
+    positions of the node), to the in-flight keys `ext_k/ext_v` [B, E, Hkv, D] it may see (`ext_mask`
+    [B, M, E], normally its in-tree ancestors' entries), and to itself.
 
     Args:
       hidden: [B, M, H] the head's own pre-norm output at the node's parent entry (no fc).
       tokens: [B, M] the nodes' target ids; positions: [B, M] head positions (= the node's target position - 1).
     Returns:
       (hidden_out [B, M, H], logits [B, M, Vd] fp32, k [B, M, Hkv, D], v [B, M, Hkv, D]); append k/v to the
-      in-flight buffer to let the nodes' descendants see them.
+      in-flight buffer to let the nodes' descendants see them (or see `draft_tree_level`).
     """
     emb = _embedding(params, embed)[tokens].astype(hidden.dtype)
     q, k, v = _qkv(params, dcfg, emb, hidden, positions)
     B, M = tokens.shape
-
-    ck, cv, first = _window_slice(cache, dcfg.window)
-
-    def cmask(s0, n):
-        slot = (first[:, None] + s0 + jnp.arange(n)[None, :])[:, None, :]  # [B, 1, n]
-        ok = jnp.broadcast_to(slot < cache.length[:, None, None], (B, M, n))
-        return ok if dcfg.window is None else ok & (slot > positions[:, :, None] - dcfg.window)
-
-    self_mask = jnp.broadcast_to(jnp.eye(M, dtype=bool)[None], (B, M, M))
-    parts = [(ck, cv, cmask), (k, v, self_mask)]
+    extra = [(k, v, jnp.broadcast_to(jnp.eye(M, dtype=bool)[None], (B, M, M)))]
     if ext_k.shape[1] > 0:
-        parts.insert(1, (ext_k, ext_v, ext_mask))
-    attn = _attend(q, parts, dcfg)
+        extra.insert(0, (ext_k, ext_v, ext_mask))
+    attn = draft_attention(q, cache.k, cache.v, cache.length, positions, dcfg.window, extra)
     out = _finish(params, dcfg, hidden, attn)
     return out, draft_logits(params, dcfg, out), k, v
 
 
-def _window_slice(cache: DraftCache, window: int | None):
-    """(k, v, first slot [B]) of the cache slots a drafting step reads: the whole cache (first = 0), or with a
-    window shorter than the cache, the `window` slots ending at each row's `length` (clamped to the cache). Every
-    committed slot within the window of a node at a position >= length - 1 lies in that slice."""
-    B, S = cache.k.shape[:2]
-    if window is None or window >= S:
-        return cache.k, cache.v, jnp.zeros((B,), jnp.int32)
-    first = jnp.clip(cache.length - window, 0, S - window).astype(jnp.int32)
-    take = jax.vmap(lambda x, f: jax.lax.dynamic_slice_in_dim(x, f, window, 0))
-    return take(cache.k, first), take(cache.v, first), first
+def draft_tree_level(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hidden: jax.Array,
+                     tokens: jax.Array, positions: jax.Array, cache: DraftCache, ext_k: jax.Array,
+                     ext_v: jax.Array, ext_mask: jax.Array, slot: int, *, attention=None):
+    """`draft_tree_step` as the tree builder runs it: the nodes' own k/v are written into the in-flight buffer
+    first, at slots `slot .. slot + M - 1`, so each node sees one in-flight key set (`ext_mask` [B, M, E] must
+    mark its own slot as well as its ancestors'). `attention`: as in `draft_extend`.
+    Returns (hidden_out [B, M, H], logits [B, M, Vd] fp32, ext_k, ext_v) with the nodes' entries written."""
+    emb = _embedding(params, embed)[tokens].astype(hidden.dtype)
+    q, k, v = _qkv(params, dcfg, emb, hidden, positions)
+    ext_k = jax.lax.dynamic_update_slice_in_dim(ext_k, k.astype(ext_k.dtype), slot, axis=1)
+    ext_v = jax.lax.dynamic_update_slice_in_dim(ext_v, v.astype(ext_v.dtype), slot, axis=1)
+    attn = (attention or draft_attention)(q, cache.k, cache.v, cache.length, positions, dcfg.window,
+                                          [(ext_k, ext_v, ext_mask)])
+    out = _finish(params, dcfg, hidden, attn)
+    return out, draft_logits(params, dcfg, out), ext_k, ext_v
 
 
 # -- the NNX module --------------------------------------------------------------------------------------------

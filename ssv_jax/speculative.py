@@ -84,6 +84,16 @@ def draft_select(draft_vocab: int, mesh=None):
     return top_n
 
 
+def draft_attention_for(mesh=None):
+    """The draft head's attention in the rounds: the Pallas kernel (`pallas_kernels.draft_attention`, one launch
+    and a combine per drafting step where the jnp reference takes about a dozen) on one GPU; the reference (None)
+    on the CPU and on a mesh (the draft runs replicated there, outside shard_map)."""
+    if _on_cpu() or mesh is not None:
+        return None
+    from pallas_kernels.draft_attention import draft_attention
+    return draft_attention
+
+
 def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState, key, eos, max_new: int,
               phase: str = "all", mesh=None):
     """One draft -> verify -> accept -> commit round (traced; call inside jit). `phase` is "all" in generation;
@@ -92,8 +102,9 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     spec = policy.tree
     embed = m.params["embed"]
     T = st.tcache.length
+    draft_attn = draft_attention_for(mesh)
     tree = tr.build_tree(m.draft_params, dcfg, embed, st.root_hidden, st.root_token, T, st.dcache, spec,
-                         select=draft_select(dcfg.draft_vocab, mesh))
+                         select=draft_select(dcfg.draft_vocab, mesh), attention=draft_attn)
     if policy.order != "bfs":
         tree = tr.permute_tree(tree, *tr.flatten_order(tree, policy.order))
     if phase == "draft":
@@ -113,7 +124,8 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     tcache = M.commit_tree(m.params, cfg, st.tcache, nk, nv, path, n_acc + 1)
     node_idx, new_tokens, positions, valid = acc.accepted_inputs(tree, path, n_acc, bonus)
     f = jnp.take_along_axis(feats, node_idx[..., None], axis=1)
-    hidden, _, dcache = dr.draft_extend(m.draft_params, dcfg, embed, f, new_tokens, positions, valid, st.dcache)
+    hidden, _, dcache = dr.draft_extend(m.draft_params, dcfg, embed, f, new_tokens, positions, valid, st.dcache,
+                                        attention=draft_attn)
     bidx = jnp.arange(T.shape[0])
     # emit the accepted drafts and the bonus, stopping after EOS and at max_new
     A = new_tokens.shape[1]

@@ -21,7 +21,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ssv_jax.draft import DraftCache, DraftConfig, draft_logits, draft_tree_step
+from ssv_jax import nsa
+from ssv_jax.draft import DraftCache, DraftConfig, draft_logits, draft_tree_level
 
 ORDERS = ("bfs", "dfs")
 
@@ -78,11 +79,14 @@ class Tree(NamedTuple):
 
 
 # -- structure helpers -----------------------------------------------------------------------------------------
-def mask_from_parents(parents: jax.Array) -> jax.Array:
-    """Ancestor-or-self mask [B, N, N] from parent pointers [B, N] (-1 = none), by transitive closure."""
+def mask_from_parents(parents: jax.Array, max_depth: int | None = None) -> jax.Array:
+    """Ancestor-or-self mask [B, N, N] from parent pointers [B, N] (-1 = none), by transitive closure: squaring
+    the one-step relation k times covers paths of up to 2^k edges, so a known bound on the tree's depth
+    (`max_depth`, default N - 1) takes ceil(log2(max_depth)) products."""
     B, N = parents.shape
     m = jnp.eye(N, dtype=bool)[None] | jax.nn.one_hot(parents, N, dtype=jnp.bool_)  # one_hot(-1) = zeros
-    for _ in range(max(1, (N - 1).bit_length())):
+    longest = N - 1 if max_depth is None else min(max_depth, N - 1)
+    for _ in range(max(1, (longest - 1).bit_length())):
         m = m | (jnp.einsum("bij,bjk->bik", m.astype(jnp.float32), m.astype(jnp.float32)) > 0)
     return m
 
@@ -216,7 +220,7 @@ def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: ja
         c_tok.append(tok)
         c_parent.append(jnp.repeat(f_cid, K, axis=1))
         c_depth += [level + 1] * (K * K)
-        f_score, sel = jax.lax.top_k(cu, K)
+        f_score, sel = nsa.top_n(cu, K)  # lax.top_k's result as one fused rank count (XLA sorts K*K here)
         rows = (sel // K).astype(jnp.int32)
         f_tok = jnp.take_along_axis(tok, sel, axis=1)
         f_cid = (offset + sel).astype(jnp.int32)
@@ -230,7 +234,7 @@ def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: ja
     c_depth = jnp.broadcast_to(jnp.asarray(c_depth, jnp.int32), (B, C))
 
     n_keep = spec.budget - 1
-    _, kept = jax.lax.top_k(c_score, n_keep)  # ties -> lower candidate index (ancestor-closed)
+    _, kept = nsa.top_n(c_score, n_keep)  # ties -> lower candidate index (ancestor-closed)
     take = lambda x: jnp.take_along_axis(x, kept, axis=1)
     kd, ks = take(c_depth), take(c_score)
     kept = jnp.take_along_axis(kept.astype(jnp.int32), lex_order((kd, -ks, kept.astype(jnp.int32)))[0], axis=1)
@@ -242,19 +246,20 @@ def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: ja
     parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), par], 1)
     depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), take(c_depth)], 1)
     scores = jnp.concatenate([jnp.zeros((B, 1), jnp.float32), take(c_score)], 1)
-    mask = mask_from_parents(parents)
+    mask = mask_from_parents(parents, L)
     positions = root_pos.astype(jnp.int32)[:, None] + depth
     return Tree(tokens, parents, depth, mask, positions, scores)
 
 
 class _HeadState(NamedTuple):
     hidden: jax.Array  # [B, K, H] outputs of the previous step (the root hidden at level 1)
-    ext_k: jax.Array  # [B, E, Hkv, D]
+    ext_k: jax.Array  # [B, slots >= E, Hkv, D]: frontier node r of level l at slot (l-1)*K + r
     ext_v: jax.Array
 
 
 def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hidden: jax.Array,
-               root_token: jax.Array, root_pos: jax.Array, cache: DraftCache, spec: TreeSpec, select=None) -> Tree:
+               root_token: jax.Array, root_pos: jax.Array, cache: DraftCache, spec: TreeSpec, select=None,
+               attention=None) -> Tree:
     """Draft a tree with the EAGLE-3 head (see the module docstring for the algorithm).
 
     Args:
@@ -263,6 +268,7 @@ def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hi
       root_token: [B] target id of the root (the last sampled token); root_pos: [B] its target position T.
       cache: the head cache with slots 0..T-1 committed (`cache.length == root_pos`).
       select: the top-k primitive over the draft vocabulary (see `build_tree_with`).
+      attention: the head's attention primitive (see `draft.draft_extend`).
     A node at depth k runs the head at head position T + k - 1, attending to the committed cache and its
     in-tree ancestors. Returns a `Tree` with N = spec.budget nodes (bfs order); nothing is committed.
     """
@@ -271,17 +277,19 @@ def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hi
         raise ValueError(f"root_hidden has shape {tuple(root_hidden.shape)}; accepted: [B, {dcfg.hidden}]")
     B, H = root_hidden.shape
     E = (L - 1) * K
-    dt = cache.k.dtype
-    z = jnp.zeros((B, E, dcfg.n_kv_heads, dcfg.head_dim), dt)
+    slots = max(16, 1 << max(0, (E - 1).bit_length()))  # E rounded up to a power of two >= 16: the kernel's key
+    dt = cache.k.dtype                                    # tile, so no padding copy per level (never visible)
+    z = jnp.zeros((B, slots, dcfg.n_kv_heads, dcfg.head_dim), dt)
     state = _HeadState(jnp.broadcast_to(root_hidden[:, None, :], (B, K, H)), z, z)
 
     def step(st: _HeadState, level, tokens, rows, anc):
         h_in = jnp.take_along_axis(st.hidden, rows[:, :, None], axis=1)
         pos = jnp.broadcast_to(root_pos.astype(jnp.int32)[:, None] + (level - 1), (B, K))
-        out, logits, k, v = draft_tree_step(params, dcfg, embed, h_in, tokens, pos, cache, st.ext_k, st.ext_v, anc)
         off = (level - 1) * K
-        ek = jax.lax.dynamic_update_slice_in_dim(st.ext_k, k.astype(dt), off, axis=1)
-        ev = jax.lax.dynamic_update_slice_in_dim(st.ext_v, v.astype(dt), off, axis=1)
+        own = jax.nn.one_hot(off + jnp.arange(K), slots, dtype=jnp.bool_)[None]  # each node sees itself
+        mask = jnp.pad(anc, ((0, 0), (0, 0), (0, slots - E))) | own
+        out, logits, ek, ev = draft_tree_level(params, dcfg, embed, h_in, tokens, pos, cache, st.ext_k, st.ext_v,
+                                               mask, off, attention=attention)
         return _HeadState(out, ek, ev), jax.nn.log_softmax(logits, axis=-1)
 
     root_logp = jax.nn.log_softmax(draft_logits(params, dcfg, root_hidden), axis=-1)

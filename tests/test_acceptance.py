@@ -54,6 +54,38 @@ def test_greedy_golden(argmaxes, path, n, bonus):
     assert int(na2[0]) == n and int(b2[0]) == bonus
 
 
+def _walk(parents, tokens, best, max_depth):
+    """The greedy rule as written in its definition: from the root, step to the first child (node-index order)
+    whose token is the target argmax at the current node, at most max_depth times."""
+    path, cur = [0], 0
+    for _ in range(max_depth):
+        kids = [i for i, p in enumerate(parents) if p == cur and tokens[i] == best[cur]]
+        if not kids:
+            break
+        cur = kids[0]
+        path.append(cur)
+    return path + [-1] * (max_depth + 1 - len(path)), len(path) - 1, best[cur]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_equals_the_walk_on_random_trees(seed):
+    """Random trees (parents before children, repeated sibling tokens), random logits over a small vocabulary so
+    that paths run deep; every row must match the walk, also when max_depth cuts it."""
+    rng = np.random.default_rng(seed)
+    rows, N, Vs = 16, 12, 3
+    parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, N)] for _ in range(rows)])
+    tokens = rng.integers(0, Vs, (rows, N))
+    logits = rng.normal(size=(rows, N, Vs)).astype(np.float32)
+    best = logits.argmax(-1)
+    t = tree_from_parents(tokens, parents)
+    for md in (N - 1, 2):
+        idx, n, bonus = jax.jit(greedy_accept, static_argnums=2)(t, jnp.asarray(logits), md)
+        for r in range(rows):
+            want = _walk(parents[r], tokens[r], best[r], md)
+            np.testing.assert_array_equal(np.asarray(idx[r]), want[0])
+            assert int(n[r]) == want[1] and int(bonus[r]) == want[2]
+
+
 def test_greedy_max_depth_truncates():
     t = tree_from_parents(TOKENS, PARENTS)
     idx, n, b = greedy_accept(t, _logits_with_argmax([2, 0, 0, 0, 3, 0, 0, 6]), max_depth=2)

@@ -447,3 +447,26 @@ def test_layer_views_of_stacked_caches_give_the_sliced_layer_result(with_sel):
             o, out_sel = nsa_attention_kernel(**{**a, **views}, cfg=CFG, sel=s, mode=mode, group_size=8,
                                               interpret=True)
         assert (out_sel == ref_sel).all() and rel_rms(o, ref_o) <= 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 20])
+def test_split_combine_is_the_lse_merge_of_the_partial_states(n):
+    """`combine` (elementwise over the splits up to COMBINE_UNROLL_MAX, reductions beyond) against the merge written
+    out in float64, with one split that saw no key (m = NEG, l = 0, acc = 0) and a row no split saw."""
+    from pallas_kernels._common import NEG, combine
+
+    ks = jax.random.split(jax.random.key(n), 3)
+    m = jax.random.normal(ks[0], (2, n, 5)) * 3
+    l = jax.random.uniform(ks[1], (2, n, 5), minval=0.5, maxval=4.0)
+    acc = jax.random.normal(ks[2], (2, n, 5, 8))
+    m, l, acc = m.at[:, 0].set(NEG), l.at[:, 0].set(0.0), acc.at[:, 0].set(0.0)
+    m, l, acc = m.at[1, :, 4].set(NEG), l.at[1, :, 4].set(0.0), acc.at[1, :, 4].set(0.0)
+    o, mt, lt = combine(acc, m, l, axis=1)
+    m64, l64, a64 = (np.asarray(x, np.float64) for x in (m, l, acc))
+    w = np.exp(m64 - m64.max(1, keepdims=True))
+    want_l = (w * l64).sum(1)
+    want_o = (w[..., None] * a64).sum(1) / np.where(want_l > 0, want_l, 1.0)[..., None]
+    np.testing.assert_allclose(np.asarray(o), want_o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lt), want_l, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(mt).reshape(2, 5), m64.max(1), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(o)[1, 4], 0.0)

@@ -155,3 +155,16 @@ def test_an_8b_decode_step_is_eight_launches_per_layer_and_one_xla_dot():
     assert "stablehlo.logistic" not in text  # the gates' sigmoid and the SwiGLU's silu
     assert text.count("stablehlo.rsqrt") == 1  # the final norm's: each layer's two are in their GEMV kernels
     assert not [x for x in lines if "stablehlo.pad" in x and "bf16" in x]  # the query rows' padding
+
+
+def test_a_drafting_step_lowers_for_cuda_in_one_launch_reading_the_cache_in_place():
+    """The draft head's attention at the bundled head's shapes (4 nodes, 4 query / 2 KV heads, a 4096 window
+    over a 16K cache, 32 in-flight slots): one Triton launch, and no slice of the cache."""
+    from pallas_kernels.draft_attention import draft_attention
+
+    q, kv = sds((1, 4, 4, 64)), sds((1, 16896, 2, 64))
+    ext = (sds((1, 32, 2, 64)), sds((1, 32, 2, 64)), sds((1, 4, 32), bool))
+    text = lower_for_cuda(lambda q, k, v, n, p, x: draft_attention(q, k, v, n, p, 4096, [x]), q, kv, kv,
+                          sds((1,), jnp.int32), sds((1, 4), jnp.int32), ext)
+    assert text.count(TRITON) == 1
+    assert "dynamic_slice" not in text
