@@ -23,24 +23,32 @@ from ._common import (combine, dividing_chunk, init_state, next_pow2, pad_axis, 
 
 MAX_ROWS = 128  # entries x G query rows one program holds
 BLOCK = 128  # cache slots per step of a program's walk (the largest power of two <= this dividing S)
+POS_COLS = 16  # columns of the row-position block (the smallest Triton tile)
+_BIG = 2 ** 30
 
 
-def _kernel(meta_ref, t_ref, q_ref, k_ref, v_ref, *rest, bk: int, nsplit: int, window: int | None, scale: float,
+def _kernel(len_ref, t_ref, q_ref, k_ref, v_ref, *rest, bk: int, nsplit: int, window: int | None, scale: float,
             has_ext: bool):
     ek_ref, ev_ref, em_ref = rest[:3] if has_ext else (None,) * 3
     acc_ref, m_ref, l_ref = rest[3:] if has_ext else rest
     split = pl.program_id(1)
     q = q_ref[...]  # [Mp, D]
-    t = t_ref[...][:, None]  # [Mp, 1] each row's position (-1 on padding rows: sees nothing)
-    length, blo, bhi = meta_ref[0], meta_ref[1], meta_ref[2]
+    t = jnp.max(t_ref[...], axis=1)  # [Mp] each row's position (-1 on padding rows: sees nothing)
+    length = len_ref[0]
+    # the visible slot range of this batch row, in blocks: [first window start, min(length, last position + 1))
+    hi = jnp.minimum(length, jnp.max(t) + 1)
+    lo = 0 if window is None else jnp.maximum(jnp.min(jnp.where(t >= 0, t, _BIG)) - window + 1, 0)
+    blo = lo // bk
+    bhi = jnp.maximum((hi + bk - 1) // bk, blo)
     st = init_state(*q.shape)
     if has_ext:  # the in-flight keys: split 0 only
         valid = (em_ref[...] != 0) & (split == 0)
         st, _ = update(st, scores(q, ek_ref[...], scale), valid, ev_ref[...])
     per = (bhi - blo + nsplit - 1) // nsplit
-    lo = blo + split * per
-    hi = jnp.minimum(lo + per, bhi)
+    first = blo + split * per
+    last = jnp.minimum(first + per, bhi)
     arc = jnp.arange(bk, dtype=jnp.int32)[None, :]
+    t = t[:, None]
 
     def body(i, st):
         c0 = pl.multiple_of(i * bk, bk)
@@ -51,7 +59,7 @@ def _kernel(meta_ref, t_ref, q_ref, k_ref, v_ref, *rest, bk: int, nsplit: int, w
         st, _ = update(st, scores(q, k_ref[pl.ds(c0, bk), :], scale), valid, v_ref[pl.ds(c0, bk), :])
         return st
 
-    acc, m, l = jax.lax.fori_loop(lo, hi, body, st)
+    acc, m, l = jax.lax.fori_loop(first, last, body, st)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -103,22 +111,24 @@ def draft_attention(q, k, v, length, positions, window=None, extra=(), *, nsplit
     span = S if window is None else min(S, window + M - 1)  # the most slots a row's entries can see
     if nsplit is None:
         nsplit = split_count(B * H, -(-span // bk))
-    pos = positions.astype(jnp.int32)
-    length = length.astype(jnp.int32)
-    hi = jnp.minimum(length, jnp.max(pos, 1) + 1)
-    lo = jnp.zeros_like(hi) if window is None else jnp.maximum(jnp.min(pos, 1) - window + 1, 0)
-    meta = jnp.stack([length, lo // bk, jnp.maximum(-(-hi // bk), lo // bk)], -1)  # [B, 3]
-
-    args = [meta, query_rows(pos, M, G, mp, fill=-1)[:, 0], rows_of(q, H, M, mp)[:, :, 0], k, v]
+    # Row data in one int32 array per call: each row's position, repeated over POS_COLS columns, after the
+    # in-flight mask's columns; the kernel reads the two column ranges as two blocks of it.
+    pos_rows = jnp.broadcast_to(query_rows(positions.astype(jnp.int32), M, G, mp, fill=-1)[:, 0, :, None],
+                                (B, mp, POS_COLS))
     cache = lambda n: pl.BlockSpec((None, n, None, D), lambda i, s: (i // H, 0, i % H, 0))  # noqa: E731
-    specs = [pl.BlockSpec((None, 3), lambda i, s: (i // H, 0)), pl.BlockSpec((None, mp), lambda i, s: (i // H, 0)),
-             pl.BlockSpec((None, None, mp, D), lambda i, s: (i // H, i % H, 0, 0)), cache(S), cache(S)]
+    rows = lambda cols, at: pl.BlockSpec((None, mp, cols), lambda i, s: (i // H, 0, at))  # noqa: E731
     if extra:
         ek, ev, em = extra[0]
         ep = next_pow2(ek.shape[1])
-        emr = query_rows(pad_axis(em.astype(jnp.int32), 2, ep), M, G, mp)[:, 0]  # [B, Mp, Ep]
-        args += [pad_axis(ek, 1, ep), pad_axis(ev, 1, ep), emr]
-        specs += [cache(ep), cache(ep), pl.BlockSpec((None, mp, ep), lambda i, s: (i // H, 0, 0))]
+        info = jnp.concatenate([query_rows(pad_axis(em.astype(jnp.int32), 2, ep), M, G, mp)[:, 0], pos_rows], -1)
+    else:
+        info = pos_rows
+    args = [length.astype(jnp.int32), info, rows_of(q, H, M, mp)[:, :, 0], k, v]
+    specs = [pl.BlockSpec((1,), lambda i, s: (i // H,)), rows(POS_COLS, ep // POS_COLS if extra else 0),
+             pl.BlockSpec((None, None, mp, D), lambda i, s: (i // H, i % H, 0, 0)), cache(S), cache(S)]
+    if extra:
+        args += [pad_axis(ek, 1, ep), pad_axis(ev, 1, ep), info]
+        specs += [cache(ep), cache(ep), rows(ep, 0)]
     st = lambda *shape: pl.BlockSpec((None, None, None) + shape,  # noqa: E731
                                      lambda i, s: (i // H, i % H, s) + (0,) * len(shape))
     f32 = lambda *shape: jax.ShapeDtypeStruct((B, H, nsplit) + shape, jnp.float32)  # noqa: E731

@@ -11,7 +11,8 @@ gate/up, the split-K reduction after, the SwiGLU product, the residual add (docs
 
 Each program owns `block_n` output columns and loops over the whole contraction in `block_k` chunks, so there
 is no split-K pass. The rows (M <= 16) are padded to 16 in registers for a tensor-core dot, which Triton
-pipelines through shared memory (`num_stages`); or, with `dot=False`, reduced on the CUDA cores.
+pipelines through shared memory (`num_stages`); or, with `dot=False`, reduced on the CUDA cores. 32 rows (a verified
+draft tree's nodes) load as one [M, block_k] tile instead (`TILE_ROWS`).
 Rounding follows `model`: the normalised input and each product are rounded to x's dtype before their next use.
 Reference: `model.rms_norm`, `model._mm`, `jax.nn.silu`.
 """
@@ -28,8 +29,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from ._common import dividing_chunk, is_pow2, pallas
 
-MAX_ROWS = 16  # rows of the padded dot operand: the rows a launch handles
-NORM_CHUNK = 4096  # columns of x per load of the RMSNorm pass
+MAX_ROWS = 16  # rows of the padded dot operand: the rows a launch handles one by one
+TILE_ROWS = (32,)  # further row counts, loaded and normalised as one [M, block_k] tile (measured: 32)
+NORM_CHUNK = 4096  # columns of x per load of the RMSNorm pass (one row at a time)
+NORM_TILE = 8192  # elements of x per load of the tiled RMSNorm pass
 
 
 def _rows(x_ref, m: int, k0, bk: int):
@@ -64,6 +67,8 @@ def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: 
     bn = o_ref.shape[-1]
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
 
+    if m in TILE_ROWS:
+        return _tile_kernel(x_ref, w_refs, nw_ref, r_ref, o_ref, bk=bk, n_k=n_k, eps=eps, swiglu=swiglu, nk=nk)
     if norm:  # 1 / rms of each row, from loads of up to NORM_CHUNK columns (one for a 4096-wide row): a chunk
         # loop of block_k would put its load latencies in series before the first weight tile is used
         K = n_k * bk
@@ -107,11 +112,51 @@ def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: 
         o_ref[r, :] = y.astype(o_ref.dtype)
 
 
+def _tile_kernel(x_ref, w_refs, nw_ref, r_ref, o_ref, *, bk: int, n_k: int, eps: float, swiglu: bool, nk: bool):
+    """`_kernel` for M in TILE_ROWS: the rows are one [M, bk] tile, the norm a vector of M scales."""
+    dt = x_ref.dtype
+    prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+    m, bn = o_ref.shape
+    scale = None
+    if nw_ref is not None:
+        K = n_k * bk
+        nc = dividing_chunk(K, "K", max(16, NORM_TILE // m))
+
+        def sumsq(i, ss):
+            x = x_ref[:, pl.ds(pl.multiple_of(i * nc, nc), nc)].astype(jnp.float32)
+            return ss + jnp.sum(x * x, axis=1)
+        ss = jax.lax.fori_loop(0, K // nc, sumsq, jnp.zeros((m,), jnp.float32))
+        scale = jax.lax.rsqrt(ss / K + eps)[:, None]
+
+    def body(i, accs):
+        k0 = pl.multiple_of(i * bk, bk)
+        h = x_ref[:, pl.ds(k0, bk)]
+        if scale is not None:
+            h = ((h.astype(jnp.float32) * scale) * nw_ref[pl.ds(k0, bk)].astype(jnp.float32)[None, :])
+        h = h.astype(dt)
+        out = []
+        for w_ref, acc in zip(w_refs, accs):
+            w = w_ref[:, pl.ds(k0, bk)] if nk else w_ref[pl.ds(k0, bk), :]
+            out.append(acc + plgpu.dot(h, w.astype(dt), trans_b=nk, precision=prec))
+        return tuple(out)
+
+    accs = jax.lax.fori_loop(0, n_k, body, tuple(jnp.zeros((m, bn), jnp.float32) for _ in w_refs))
+    ys = [a.astype(dt).astype(jnp.float32) for a in accs]
+    if swiglu:
+        g, u = ys
+        y = (g * jax.nn.sigmoid(g)).astype(dt).astype(jnp.float32) * u
+    else:
+        (y,) = ys
+    if r_ref is not None:
+        y = r_ref[...].astype(jnp.float32) + y
+    o_ref[...] = y.astype(o_ref.dtype)
+
+
 def supports(x_shape, w_shape, *, swiglu: bool = False, transposed: bool = False) -> bool:
-    """Rows (all leading axes of x) <= 16, a 2-D weight [K, N] ([N, K] when `transposed`) whose contraction K is
-    a multiple of 16 and whose output columns (per half with swiglu) are a multiple of 16."""
+    """Rows (all leading axes of x) <= 16 or in `TILE_ROWS`, a 2-D weight [K, N] ([N, K] when `transposed`) whose
+    contraction K is a multiple of 16 and whose output columns (per half with swiglu) are a multiple of 16."""
     rows = math.prod(x_shape[:-1])
-    if len(w_shape) != 2 or rows > MAX_ROWS:
+    if len(w_shape) != 2 or (rows > MAX_ROWS and rows not in TILE_ROWS):
         return False
     K, N = w_shape[::-1] if transposed else w_shape
     n = N // 2 if swiglu else N
@@ -130,7 +175,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
     output columns and K."""
     if not supports(x.shape, w.shape, swiglu=swiglu, transposed=transposed):
         raise ValueError(f"fused_gemv got x {tuple(x.shape)} and w {tuple(w.shape)}; accepted: x [..., K] with at "
-                         f"most {MAX_ROWS} rows, w {'[N, K]' if transposed else '[K, N]'} with K and "
+                         f"most {MAX_ROWS} rows or {' or '.join(map(str, TILE_ROWS))}, w {'[N, K]' if transposed else '[K, N]'} with K and "
                          f"N{' / 2' if swiglu else ''} multiples of 16")
     if not (is_pow2(block_n) and is_pow2(block_k) and block_n >= 16 and block_k >= 16):
         raise ValueError(f"block_n={block_n}, block_k={block_k} are invalid; accepted: powers of two >= 16")
@@ -140,6 +185,11 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
     if residual is not None and tuple(residual.shape) != lead + (n,):
         raise ValueError(f"residual {tuple(residual.shape)} must match the output {lead + (n,)}")
     m = math.prod(lead)
+    if m in TILE_ROWS and not dot:
+        raise ValueError(f"dot=False is invalid for {m} rows; accepted: dot=True (tiles of {TILE_ROWS} rows run "
+                         f"on the tensor cores)")
+    if m in TILE_ROWS:  # keep the [M, block_k] tile within NORM_TILE elements
+        block_k = min(block_k, max(16, NORM_TILE // m))
     bn, bk = dividing_chunk(n, "output columns", block_n), dividing_chunk(K, "K", block_k)
     nb = n // bn
     x2 = x.reshape(m, K)

@@ -510,12 +510,25 @@ def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache,
     flags = sched.parse(schedule, cfg.n_layers)
     T = cache.length
     pos = T[:, None] + tree.depth
-    ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+              _projection_kernel(attn))  # where the kernel takes the B * N rows (`fused_gemv.supports`)
     completes, cidx, from_cache, cache_pos, node_src = _path_block_plan(cfg, T, tree)
     cmask = tree.mask & completes[:, None, :]
 
-    def path_blocks(Kl, k, cp):
-        blocks = jnp.where(from_cache[..., None, None], nsa.gather_rows(Kl, cache_pos), nsa.gather_rows(k, node_src))
+    hold = from_cache[..., None, None]  # [B, N, l, 1, 1]
+    if cfg.compression == "mean":
+        # Mean pooling is linear: the committed rows' share of every node's block is summed for all layers at
+        # once here (one gather), and each layer adds its nodes' rows, instead of gathering and pooling whole
+        # blocks per layer (a gather, a reduction and a cast per layer and per K / V).
+        S = cache.k.shape[2]
+        rows = lambda st: st[:, jnp.arange(B)[:, None, None], jnp.clip(cache_pos, 0, S - 1)]  # noqa: E731
+        share = [jnp.sum(jnp.where(hold, rows(st).astype(jnp.float32), 0.0), axis=3) for st in (cache.k, cache.v)]
+
+    def path_blocks(Kl, k, cp, cache_share):
+        if cache_share is not None:  # nsa.compress's mean, as the sum of the two shares
+            own = jnp.sum(jnp.where(hold, 0.0, nsa.gather_rows(k, node_src).astype(jnp.float32)), axis=2)
+            return ((cache_share + own) / cfg.cmp_len).astype(k.dtype)
+        blocks = jnp.where(hold, nsa.gather_rows(Kl, cache_pos), nsa.gather_rows(k, node_src))
         return nsa.compress(blocks, cfg, *cp)
 
     def layer(carry, xs, refresh):
@@ -524,7 +537,9 @@ def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache,
         q, k, v, g = _qkv(lp, ctx, x)
         Kl, Vl = _layer_view(cache.k, li, attn), _layer_view(cache.v, li, attn)
         cpk, cpv = _cmp_params(lp, cfg)
-        extra = nsa.Extra(k, v, pos, tree.mask, path_blocks(Kl, k, cpk), path_blocks(Vl, v, cpv), cidx, cmask)
+        sk, sv = (share[0][li], share[1][li]) if cfg.compression == "mean" else (None, None)
+        extra = nsa.Extra(k, v, pos, tree.mask, path_blocks(Kl, k, cpk, sk), path_blocks(Vl, v, cpv, sv), cidx,
+                          cmask)
         o, sel = attn(q, pos, g, Kl, Vl, _cmp_view(cache.kc, li, attn), _cmp_view(cache.vc, li, attn), T, cfg, extra=extra,
                       sel=None if refresh else sel)
         return (_finish(lp, ctx, x, o), sel), (x, k, v, sel if with_selection else None)

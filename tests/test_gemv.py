@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import fused_gemv, poison_outputs
-from pallas_kernels.gemv import PROJECTIONS
+from pallas_kernels.gemv import PROJECTIONS, TILE_ROWS
 from ssv_jax import model as M
 from ssv_jax.config import get_config
 from test_kernels_lowering import TRITON, lower_for_cuda, sds
@@ -56,6 +56,25 @@ def test_fused_gemv_equals_the_model_projections(dtype, dot, transposed):
     _close(swiglu, jax.nn.silu(M._mm(h, w[:, :N])) * M._mm(h, w[:, N:]), dtype)
     _close(resid, r[..., :N] + M._mm(x, w[:, :N]), dtype)
     assert normed.dtype == swiglu.dtype == resid.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", TILE_ROWS)
+def test_fused_gemv_on_a_tile_of_rows_equals_the_model_projections(rows, dtype):
+    """A tile of rows (a verified tree's nodes) loads at once: norm, SwiGLU and residual as above."""
+    rng = np.random.default_rng()
+    K, N = 256, 96
+    x, w, nw, r = _inputs(rows, K, 2 * N, dtype, int(rng.integers(1 << 30)))
+    x, r = x.reshape(2, rows // 2, K), r.reshape(2, rows // 2, -1)
+    run = lambda x, w, **kw: fused_gemv(x, w, block_n=16, block_k=64, interpret=True, **kw)  # noqa: E731
+    with poison_outputs():
+        normed = run(x, w[:, :N], norm=nw, eps=EPS)
+        swiglu = run(x, w, norm=nw, eps=EPS, swiglu=True)
+        resid = run(x, w[:, :N], residual=r[..., :N])
+    h = M.rms_norm(x, nw, EPS)
+    _close(normed, M._mm(h, w[:, :N]), dtype)
+    _close(swiglu, jax.nn.silu(M._mm(h, w[:, :N])) * M._mm(h, w[:, N:]), dtype)
+    _close(resid, r[..., :N] + M._mm(x, w[:, :N]), dtype)
 
 
 @pytest.mark.parametrize("shapes,needle", [

@@ -57,7 +57,7 @@ def _oracle_builder(sequence: np.ndarray, prompt_len: int):
     parents = jnp.asarray([-1, 0, 1, 2, 3, 0, 0, 0, 1, 1, 2, 2, 3, 5, 6, 8], jnp.int32)
     chain = jnp.asarray([0, 1, 2, 3, 4], jnp.int32)
 
-    def build(params, dcfg, embed, root_hidden, root_token, root_pos, cache, spec_, select=None):
+    def build(params, dcfg, embed, root_hidden, root_token, root_pos, cache, spec_, select=None, attention=None):
         B = root_token.shape[0]
         k = jax.random.fold_in(jax.random.key(7), root_pos[0])
         toks = jax.random.randint(k, (B, 16), 0, CFG.vocab_size)
