@@ -236,3 +236,26 @@ def test_generate_cli_with_a_draft_window_still_decodes_the_ar_tokens(capsys):
     assert "greedy outputs identical: True" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--draft-window=-1 is invalid; accepted: 0"):
         main(["--random-preset", "tiny", "--draft-window", "-1"])
+
+
+def test_round_ops_attributes_traced_ops_to_their_source_lines():
+    """Trace names map to HLO instructions (`fusion_3` is `fusion.3`), frames to `module.function:line` of this
+    repository's files, counts and µs are per round, and ops with no such frame keep their own name."""
+    hlo = "\n".join([
+        "HloModule m", "FileNames", '1 "/x/ssv_jax/draft.py"', '2 "/usr/lib/jax/core.py"', "",
+        "FunctionNames", '1 "_attend"', '2 "draft_tree_level"', '3 "bind"', "",
+        "FileLocations", "1 {file_name_id=1 function_name_id=2 line=40}", "2 {file_name_id=1 function_name_id=1 line=7}",
+        "3 {file_name_id=2 function_name_id=3 line=9}", "",
+        "StackFrames", "1 {file_location_id=1}", "2 {file_location_id=2 parent_frame_id=2}",
+        "3 {file_location_id=3 parent_frame_id=3}", "",
+        '  %fusion.3 = f32[4] fusion(%p), kind=kLoop, metadata={op_name="jit(f)/exp" stack_frame_id=3}',
+        '  %gemm.1 = f32[4] fusion(%p), kind=kCustom, metadata={op_name="jit(f)/dot_general" stack_frame_id=2}',
+    ])
+    trace = {"rounds": 2, "host_ms_per_round": 1.0,
+             "ops": {"fusion_3": [10.0, 4], "gemm_1": [6.0, 2], "void topk_kernel<4>": [8.0, 2]}}
+    res = _script("round_ops").attribute(hlo, trace, depth=2)
+    rows = {r["source"]: r for r in res["by_source"]}
+    assert rows["draft._attend:7 < draft.draft_tree_level:40"]["ops"] == 3.0  # fusion.3's jax frame is skipped
+    assert rows["draft._attend:7 < draft.draft_tree_level:40"]["us"] == 8.0
+    assert rows["void topk_kernel<4>"]["ops"] == 1.0
+    assert res["ops_per_round"] == 4.0 and res["gpu_busy_us_per_round"] == 12.0

@@ -1,0 +1,172 @@
+"""Which source lines the GPU ops of an SSV round come from (GPU capture, then an attribution that runs anywhere).
+
+    python scripts/round_ops.py capture --checkpoint checkpoints/ssv-small --context 8192 --raw-dir $OUT/ops
+    python scripts/round_ops.py attribute --raw-dir $OUT/ops --out docs/results/round_ops_8k_h200.json
+
+`capture` (GPU) compiles `_ssv_chunk` of the fixed policy (tree 4,6,32, dfs, P=4, strict, kernel) from one held-out
+prompt's prefilled state, writes the optimized HLO text, runs it once untimed and once timed, and traces a third call
+with `jax.profiler`; it writes `hlo.txt` and `trace_ops.json` ({op name: [total µs, count]} of the first GPU, the
+rounds run, host ms per round). `attribute` joins each traced op with the HLO instruction of that name (the trace
+writes `fusion_12` for `fusion.12`) and its stack frames, and sums ops and µs per round by the innermost `depth`
+frames in this repository (function:line), the launch-count map that `profile_round.py`'s top-op list lacks. The
+HLO is large (MBs); the JSON keeps the attribution only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import time
+
+
+def _tables(lines):
+    """The HLO text's FileNames / FunctionNames / FileLocations / StackFrames tables (ids as written)."""
+    files, funcs, locs, frames = {}, {}, {}, {}
+    section = None
+    for line in lines:
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+            continue
+        if section is None:
+            continue
+        if not line.strip() or not re.match(r"^\d+ ", line):
+            section = None if not line.strip() else section
+            continue
+        key, rest = line.split(" ", 1)
+        key = int(key)
+        if section == "FileNames":
+            files[key] = rest.strip('"')
+        elif section == "FunctionNames":
+            funcs[key] = rest.strip('"')
+        else:
+            d = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", rest)}
+            if section == "FileLocations":
+                locs[key] = (d["file_name_id"], d["function_name_id"], d["line"])
+            else:  # parent_frame_id is 1-based (0, or absent, at the outermost frame)
+                frames[key] = (d["file_location_id"], d.get("parent_frame_id", 0) - 1)
+    return files, funcs, locs, frames
+
+
+def _chain(frame, files, funcs, locs, frames, keep):
+    """Innermost-first `module.function:line` of the frames whose file path contains one of `keep`."""
+    out, seen = [], set()
+    while frame in frames and frame not in seen:
+        seen.add(frame)
+        loc, parent = frames[frame]
+        f, fn, line = locs[loc]
+        if any(k in files[f] for k in keep):
+            out.append(f"{os.path.basename(files[f]).removesuffix('.py')}.{funcs[fn].split('.')[-1]}:{line}")
+        frame = parent
+    return out
+
+
+def attribute(hlo_text: str, trace: dict, depth: int = 2, keep=("ssv_jax/", "pallas_kernels/")) -> dict:
+    """Ops and µs per round by source chain (innermost `depth` frames); ops whose HLO instruction carries no frame
+    in `keep` (library kernels such as XLA's TopK, memcpys) are listed under their own name."""
+    lines = hlo_text.splitlines()
+    tables = _tables(lines)
+    where = {}
+    for line in lines:
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*metadata=\{([^}]*)\}", line)
+        if m:
+            sf = re.search(r"stack_frame_id=(\d+)", m.group(2))
+            op = re.search(r'op_name="([^"]*)"', m.group(2))
+            where[m.group(1)] = (_chain(int(sf.group(1)), *tables, keep) if sf else [],
+                                 op.group(1).split("/")[-1] if op else "")
+    rounds = trace["rounds"]
+    by = collections.defaultdict(lambda: [0.0, 0.0, set()])
+    for name, (us, count) in trace["ops"].items():
+        chain, prim = where.get(re.sub(r"_(\d+)$", r".\1", name), where.get(name, ([], "")))
+        key = " < ".join(chain[:depth]) or name[:60]
+        row = by[key]
+        row[0] += count / rounds
+        row[1] += us / rounds
+        if prim:
+            row[2].add(prim)
+    rows = [dict(source=k, ops=round(c, 2), us=round(u, 2), primitives=sorted(p))
+            for k, (c, u, p) in sorted(by.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))]
+    return dict(rounds=rounds, host_ms_per_round=trace.get("host_ms_per_round"),
+                ops_per_round=round(sum(r["ops"] for r in rows), 2), gpu_busy_us_per_round=round(
+                    sum(r["us"] for r in rows), 2), by_source=rows)
+
+
+def capture(a) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from ssv_jax import model as M
+    from ssv_jax import timing
+    from ssv_jax.generate_cli import load_model, prompts
+    from ssv_jax.policy import SSVPolicy
+    from ssv_jax.speculative import _ssv_chunk
+
+    os.makedirs(a.raw_dir, exist_ok=True)
+    m, tok, _ = load_model(argparse.Namespace(random_preset=None, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
+    policy = SSVPolicy(top_k=4, depth=6, budget=32, order="dfs", group_size=4, backend="kernel", schedule=4,
+                       precision="strict")
+    name, p = prompts(tok, m.cfg.vocab_size, a.context, 1)[0]
+    st0, eos = timing.prefilled_state(m, p, policy, 16 * (policy.depth + 1) * a.rounds)
+    split = M.split_layers(m.params)
+    kw = dict(cfg=m.cfg, dcfg=m.draft_cfg, policy=policy, temperature=0.0, rounds=a.rounds, max_new=1 << 30)
+    key = jax.random.key(0)
+    with open(os.path.join(a.raw_dir, "hlo.txt"), "w") as f:
+        f.write(_ssv_chunk.lower(split, m.draft_params, st0, key, eos, **kw).compile().as_text())
+
+    def run():
+        return _ssv_chunk(split, m.draft_params, jax.tree.map(jnp.copy, st0), key, eos, **kw)
+
+    n = int(jax.block_until_ready(run())[2])
+    t = time.perf_counter()
+    jax.block_until_ready(run())
+    host = time.perf_counter() - t
+    ops = timing.traced_gpu_ops(run, os.path.join(a.raw_dir, "trace"))
+    trace = dict(prompt=name, context=a.context, policy=policy.describe(), rounds=n,
+                 host_ms_per_round=host * 1e3 / n, ops=ops[min(ops)] if ops else {})
+    with open(os.path.join(a.raw_dir, "trace_ops.json"), "w") as f:
+        json.dump(trace, f)
+    print(f"{n} rounds, {host * 1e3 / n:.3f} ms/round host, "
+          f"{sum(c for _, c in trace['ops'].values()) / max(n, 1):.1f} GPU ops/round")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("capture", help="compile, time and trace the round (GPU)")
+    c.add_argument("--checkpoint", default="checkpoints/ssv-small")
+    c.add_argument("--dtype", default="bfloat16")
+    c.add_argument("--context", type=int, default=8192)
+    c.add_argument("--rounds", type=int, default=8)
+    c.add_argument("--raw-dir", required=True)
+    t = sub.add_parser("attribute", help="ops per round by source line, from a capture's files")
+    t.add_argument("--raw-dir", required=True, nargs="+", help="one or more capture folders")
+    t.add_argument("--depth", type=int, default=2, help="frames of the source chain to group by")
+    t.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.cmd == "capture":
+        if a.context < 1 or a.rounds < 1:
+            raise SystemExit(f"--context={a.context} / --rounds={a.rounds} are invalid; accepted: integers >= 1")
+        return capture(a)
+    if a.depth < 1:
+        raise SystemExit(f"--depth={a.depth} is invalid; accepted: an integer >= 1")
+    res = {}
+    for d in a.raw_dir:
+        for f in ("hlo.txt", "trace_ops.json"):
+            if not os.path.exists(os.path.join(d, f)):
+                raise SystemExit(f"{os.path.join(d, f)} is missing; run `round_ops.py capture --raw-dir {d}` first")
+        with open(os.path.join(d, "hlo.txt")) as fh, open(os.path.join(d, "trace_ops.json")) as ft:
+            res[os.path.basename(os.path.normpath(d))] = attribute(fh.read(), json.load(ft), a.depth)
+    for label, r in res.items():
+        print(f"{label}: {r['ops_per_round']} GPU ops / round, {r['gpu_busy_us_per_round']} us busy")
+        for row in r["by_source"][:12]:
+            print(f"  {row['ops']:6.1f} ops {row['us']:7.1f} us  {row['source']}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
