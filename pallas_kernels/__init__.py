@@ -5,7 +5,8 @@ Without `sel` it runs the refresh layer (compressed attention with probabilities
 selected + window), or for one query per row the three-launch decode layer that routes inside its kernel; with
 `sel` it runs the one-launch reuse kernel. `mode`: "A" exact merge, "B" shared index
 (approximate: attends, and returns, the first query's blocks for each group of `group_size` queries), "naive"
-per-query selected branch (the naive SD+NSA baseline).
+per-query selected branch (the naive SD+NSA baseline). `draft_attention` is the kernel path of the draft head's
+attention in the rounds (`ssv_jax.draft.draft_attention`, same contract).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .commit_blocks import commit_blocks
 from .compressed import compressed_attention
 from .decode_layer import DecodeQuery, decode_refresh_layer
 from .decode_layer import supports as _decode_supports
+from .draft_attention import draft_attention
 from .gemv import fused_gemv
 from .grouped_verify import effective_selection, grouped_verify
 from .naive_verify import naive_verify
@@ -71,4 +73,5 @@ nsa_attention_kernel.gemv = fused_gemv  # a decode step's four projections, with
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
            "compressed_attention", "commit_blocks", "fused_gemv", "decode_refresh_layer", "DecodeQuery",
+           "draft_attention",
            "overlap_gamma", "merged_sizes", "synthetic_selection", "effective_selection", "poison_outputs", "MODES"]

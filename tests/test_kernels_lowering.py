@@ -168,3 +168,27 @@ def test_a_drafting_step_lowers_for_cuda_in_one_launch_reading_the_cache_in_plac
                           sds((1,), jnp.int32), sds((1, 4), jnp.int32), ext)
     assert text.count(TRITON) == 1
     assert "dynamic_slice" not in text
+
+
+def test_drafting_a_tree_is_one_attention_launch_per_level():
+    """`build_tree` with the kernel as the head's attention, at the bundled head's shapes (tree 4, 6, 32): the five
+    drafting steps after the root are five Triton launches, and the head cache is never sliced."""
+    from pallas_kernels.draft_attention import draft_attention
+    from ssv_jax import draft as dr
+    from ssv_jax.tree import TreeSpec, build_tree
+
+    dcfg = dr.DraftConfig(hidden=512, n_heads=4, n_kv_heads=2, head_dim=64, ffn=256, draft_vocab=2048,
+                          target_vocab=8192, feature_layers=(2, 4, 5), max_seq_len=16896, window=4096)
+    params = jax.tree.map(lambda x: sds(x.shape, x.dtype), jax.eval_shape(
+        lambda: dr.init_draft_params(dcfg, jax.random.key(0), jnp.bfloat16)))
+    kv = sds((1, 16896, 2, 64))
+    cache = dr.DraftCache(kv, kv, sds((1,), jnp.int32))
+
+    def draft(params, embed, hidden, token, pos, cache):
+        return build_tree(params, dcfg, embed, hidden, token, pos, cache, TreeSpec(top_k=4, depth=6, budget=32),
+                          attention=draft_attention)
+
+    text = lower_for_cuda(draft, params, sds((8192, 512)), sds((1, 512)), sds((1,), jnp.int32),
+                          sds((1,), jnp.int32), cache)
+    assert text.count(TRITON) == 5
+    assert "dynamic_slice" not in text.replace("dynamic_update_slice", "")
