@@ -83,6 +83,7 @@ def test_e2e_bench_clamps_contexts_and_splits_the_fixed_policys_round(tmp_path, 
     printed = capsys.readouterr().out
     assert "handles at most" in printed and f"{longest} split ms:" in printed
     ssv = next(r for r in res["rows"] if r["method"] == "ssv")
+    assert sum(c["rounds"] for c in ssv["chunks"]) == ssv["rounds"] and all(c["seconds"] > 0 for c in ssv["chunks"])
     (row,) = res["split"]
     assert (row["context"], row["prompt"], row["tau"]) == (longest, ssv["prompt"], ssv["tau"])
     assert (row["n_refresh"], row["n_layers"]) == (2, 4)
