@@ -100,16 +100,15 @@ def _kernel(*refs, m: int, bk: int, n_k: int, norm: bool, eps: float, residual: 
     zero = jnp.zeros((MAX_ROWS, bn), jnp.float32) if dot else tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m))
     accs = jax.lax.fori_loop(0, n_k, body, tuple(zero for _ in w_refs))
     for r in range(m):
-        ys = [(_row_of(a, r) if dot else a[r]).astype(dt).astype(jnp.float32) for a in accs]
-        if swiglu:
-            g, u = ys
-            s = (g * jax.nn.sigmoid(g)).astype(dt).astype(jnp.float32)
-            y = s * u
-        else:
-            (y,) = ys
-        if residual:
-            y = r_ref[r, :].astype(jnp.float32) + y
-        o_ref[r, :] = y.astype(o_ref.dtype)
+        ys = [_row_of(a, r) if dot else a[r] for a in accs]
+        o_ref[r, :] = _epilogue(ys, r_ref[r, :] if residual else None, dt, swiglu).astype(o_ref.dtype)
+
+
+def _epilogue(accs, res, dt, swiglu: bool):
+    """The product(s) rounded to dt, SwiGLU'd (gate, up) when `swiglu`, plus the residual `res` (or None); f32."""
+    ys = [a.astype(dt).astype(jnp.float32) for a in accs]
+    y = (ys[0] * jax.nn.sigmoid(ys[0])).astype(dt).astype(jnp.float32) * ys[1] if swiglu else ys[0]
+    return y if res is None else res.astype(jnp.float32) + y
 
 
 def _tile_kernel(x_ref, w_refs, nw_ref, r_ref, o_ref, *, bk: int, n_k: int, eps: float, swiglu: bool, nk: bool):
@@ -141,15 +140,7 @@ def _tile_kernel(x_ref, w_refs, nw_ref, r_ref, o_ref, *, bk: int, n_k: int, eps:
         return tuple(out)
 
     accs = jax.lax.fori_loop(0, n_k, body, tuple(jnp.zeros((m, bn), jnp.float32) for _ in w_refs))
-    ys = [a.astype(dt).astype(jnp.float32) for a in accs]
-    if swiglu:
-        g, u = ys
-        y = (g * jax.nn.sigmoid(g)).astype(dt).astype(jnp.float32) * u
-    else:
-        (y,) = ys
-    if r_ref is not None:
-        y = r_ref[...].astype(jnp.float32) + y
-    o_ref[...] = y.astype(o_ref.dtype)
+    o_ref[...] = _epilogue(accs, None if r_ref is None else r_ref[...], dt, swiglu).astype(o_ref.dtype)
 
 
 def supports(x_shape, w_shape, *, swiglu: bool = False, transposed: bool = False) -> bool:
@@ -175,8 +166,9 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
     output columns and K."""
     if not supports(x.shape, w.shape, swiglu=swiglu, transposed=transposed):
         raise ValueError(f"fused_gemv got x {tuple(x.shape)} and w {tuple(w.shape)}; accepted: x [..., K] with at "
-                         f"most {MAX_ROWS} rows or {' or '.join(map(str, TILE_ROWS))}, w {'[N, K]' if transposed else '[K, N]'} with K and "
-                         f"N{' / 2' if swiglu else ''} multiples of 16")
+                         f"most {MAX_ROWS} rows or {' or '.join(map(str, TILE_ROWS))}, "
+                         f"w {'[N, K]' if transposed else '[K, N]'} with K and N{' / 2' if swiglu else ''} multiples "
+                         f"of 16")
     if not (is_pow2(block_n) and is_pow2(block_k) and block_n >= 16 and block_k >= 16):
         raise ValueError(f"block_n={block_n}, block_k={block_k} are invalid; accepted: powers of two >= 16")
     lead, K = x.shape[:-1], x.shape[-1]
@@ -185,11 +177,11 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
     if residual is not None and tuple(residual.shape) != lead + (n,):
         raise ValueError(f"residual {tuple(residual.shape)} must match the output {lead + (n,)}")
     m = math.prod(lead)
-    if m in TILE_ROWS and not dot:
-        raise ValueError(f"dot=False is invalid for {m} rows; accepted: dot=True (tiles of {TILE_ROWS} rows run "
-                         f"on the tensor cores)")
-    if m in TILE_ROWS:  # keep the [M, block_k] tile within NORM_TILE elements
-        block_k = min(block_k, max(16, NORM_TILE // m))
+    if m in TILE_ROWS:
+        if not dot:
+            raise ValueError(f"dot=False is invalid for {m} rows; accepted: dot=True (tiles of {TILE_ROWS} rows run "
+                             f"on the tensor cores)")
+        block_k = min(block_k, max(16, NORM_TILE // m))  # keep the [M, block_k] tile within NORM_TILE elements
     bn, bk = dividing_chunk(n, "output columns", block_n), dividing_chunk(K, "K", block_k)
     nb = n // bn
     x2 = x.reshape(m, K)

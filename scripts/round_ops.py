@@ -32,8 +32,8 @@ def _tables(lines):
             continue
         if section is None:
             continue
-        if not line.strip() or not re.match(r"^\d+ ", line):
-            section = None if not line.strip() else section
+        if not re.match(r"^\d+ ", line):  # a table is a run of numbered lines
+            section = None
             continue
         key, rest = line.split(" ", 1)
         key = int(key)

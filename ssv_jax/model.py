@@ -520,8 +520,7 @@ def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache,
         # Mean pooling is linear: the committed rows' share of every node's block is summed for all layers at
         # once here (one gather), and each layer adds its nodes' rows, instead of gathering and pooling whole
         # blocks per layer (a gather, a reduction and a cast per layer and per K / V).
-        S = cache.k.shape[2]
-        rows = lambda st: st[:, jnp.arange(B)[:, None, None], jnp.clip(cache_pos, 0, S - 1)]  # noqa: E731
+        rows = jax.vmap(lambda kl: nsa.gather_rows(kl, cache_pos))  # over the layer axis: [L, B, N, l, Hkv, D]
         share = [jnp.sum(jnp.where(hold, rows(st).astype(jnp.float32), 0.0), axis=3) for st in (cache.k, cache.v)]
 
     def path_blocks(Kl, k, cp, cache_share):

@@ -34,6 +34,21 @@ def _close(got, ref, dtype):
     assert np.max(np.abs(got - ref)) <= TOL[dtype] * np.max(np.abs(ref))
 
 
+def _check_projections(run, x, w, nw, r, dtype):
+    """run(x, w, **fused steps) with the norm prologue, SwiGLU and the residual epilogue, each against the model's
+    XLA composition; w holds [gate | up] (N columns each). Returns the three outputs."""
+    N = w.shape[1] // 2
+    with poison_outputs():
+        normed = run(x, w[:, :N], norm=nw, eps=EPS)
+        swiglu = run(x, w, norm=nw, eps=EPS, swiglu=True)
+        resid = run(x, w[:, :N], residual=r[..., :N])
+    h = M.rms_norm(x, nw, EPS)
+    _close(normed, M._mm(h, w[:, :N]), dtype)
+    _close(swiglu, jax.nn.silu(M._mm(h, w[:, :N])) * M._mm(h, w[:, N:]), dtype)
+    _close(resid, r[..., :N] + M._mm(x, w[:, :N]), dtype)
+    return normed, swiglu, resid
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("dot", [True, False])
 @pytest.mark.parametrize("transposed", [False, True])
@@ -47,14 +62,7 @@ def test_fused_gemv_equals_the_model_projections(dtype, dot, transposed):
     lay = (lambda a: a.T) if transposed else (lambda a: a)  # noqa: E731
     run = lambda x, w, **kw: fused_gemv(x, lay(w), dot=dot, block_n=16, block_k=32,  # noqa: E731
                                         transposed=transposed, interpret=True, **kw)
-    with poison_outputs():
-        normed = run(x, w[:, :N], norm=nw, eps=EPS)
-        swiglu = run(x, w, norm=nw, eps=EPS, swiglu=True)
-        resid = run(x, w[:, :N], residual=r[..., :N])
-    h = M.rms_norm(x, nw, EPS)
-    _close(normed, M._mm(h, w[:, :N]), dtype)
-    _close(swiglu, jax.nn.silu(M._mm(h, w[:, :N])) * M._mm(h, w[:, N:]), dtype)
-    _close(resid, r[..., :N] + M._mm(x, w[:, :N]), dtype)
+    normed, swiglu, resid = _check_projections(run, x, w, nw, r, dtype)
     assert normed.dtype == swiglu.dtype == resid.dtype == dtype
 
 
@@ -67,14 +75,7 @@ def test_fused_gemv_on_a_tile_of_rows_equals_the_model_projections(rows, dtype):
     x, w, nw, r = _inputs(rows, K, 2 * N, dtype, int(rng.integers(1 << 30)))
     x, r = x.reshape(2, rows // 2, K), r.reshape(2, rows // 2, -1)
     run = lambda x, w, **kw: fused_gemv(x, w, block_n=16, block_k=64, interpret=True, **kw)  # noqa: E731
-    with poison_outputs():
-        normed = run(x, w[:, :N], norm=nw, eps=EPS)
-        swiglu = run(x, w, norm=nw, eps=EPS, swiglu=True)
-        resid = run(x, w[:, :N], residual=r[..., :N])
-    h = M.rms_norm(x, nw, EPS)
-    _close(normed, M._mm(h, w[:, :N]), dtype)
-    _close(swiglu, jax.nn.silu(M._mm(h, w[:, :N])) * M._mm(h, w[:, N:]), dtype)
-    _close(resid, r[..., :N] + M._mm(x, w[:, :N]), dtype)
+    _check_projections(run, x, w, nw, r, dtype)
 
 
 @pytest.mark.parametrize("shapes,needle", [
