@@ -7,8 +7,7 @@
 Methods: AR NSA; naive SD+NSA (per-query kernel, no grouping, no reuse); SSV with a fixed policy (the best
 fixed one given, kernel path; `--tree`, and `--schedule`, which the baselines do not take); SSV with the planner
 (policy "auto", choosing within the fixed policy's precision class); dense EAGLE-3 SD (the same weights with dense
-attention). Each method runs once per prompt to compile, then `--reps` times (the median is kept); tokens/s
-excludes prefill. `--static-chunks` picks how every method's decode chunks loop (`ssv_jax.generate`).
+attention). Each method runs once per prompt to compile, then once timed; tokens/s excludes prefill.
 
 Round time split (issue #8; off with `--no-split`): after each context's methods, one SSV round of the fixed
 policy from the first prompt's prefilled state is split into draft, routing, attention (the NSA branches), the rest
@@ -29,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ssv_jax import model as M
 from ssv_jax import timing
-from ssv_jax.generate import ar_generate, static_chunks_default
+from ssv_jax.generate import ar_generate
 from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
 from ssv_jax.planner import Planner
 from ssv_jax.policy import SSVPolicy
@@ -58,9 +57,6 @@ def main(argv=None):
                          "every layer, precision 'exact'; otherwise 'strict')")
     ap.add_argument("--methods", nargs="+", default=["ar", "naive", "ssv", "ssv_planner", "dense_sd"])
     ap.add_argument("--no-split", action="store_true", help="skip the per-context round time split")
-    ap.add_argument("--static-chunks", choices=["auto", "on", "off"], default="auto",
-                    help="every method's decode chunks: a static trip count (on), a while_loop that stops when "
-                         "every row is done (off), or the generators' default (auto: static on a GPU)")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per method and prompt (the median is kept)")
     ap.add_argument("--out", default="docs/results/e2e_h200.json")
     a = ap.parse_args(argv)
@@ -75,16 +71,14 @@ def main(argv=None):
                       precision="exact" if exact else "strict")
     fixed.check_for(m.cfg)
     base = fixed.replace(schedule=None, precision="exact")  # the baselines never reuse a selection
-    static = dict(auto=None, on=True, off=False)[a.static_chunks]
-    ssv = lambda p, policy, **kw: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=policy,
-                                               static_chunks=static, **kw)
     runs = {
-        "ar": lambda p: ar_generate((m.cfg, m.params), p, a.new_tokens, static_chunks=static),
-        "naive": lambda p: ssv(p, base.replace(backend="naive")),
-        "ssv": lambda p: ssv(p, fixed),
+        "ar": lambda p: ar_generate((m.cfg, m.params), p, a.new_tokens),
+        "naive": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=base.replace(backend="naive")),
+        "ssv": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=fixed),
         # the planner chooses within the fixed policy's precision class, so that both compete on the same terms
-        "ssv_planner": lambda p: ssv(p, "auto", planner=Planner.for_policy("auto", m.cfg, precision=fixed.precision)),
-        "dense_sd": lambda p: ssv(p, base.replace(backend="dense")),
+        "ssv_planner": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy="auto",
+                                              planner=Planner.for_policy("auto", m.cfg, precision=fixed.precision)),
+        "dense_sd": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=base.replace(backend="dense")),
     }
     unknown = sorted(set(a.methods) - set(runs))
     if unknown:
@@ -124,7 +118,6 @@ def main(argv=None):
                    jax=jax.__version__, dtype=str(jax.tree.leaves(m.params)[0].dtype),
                    draft_window=m.draft_cfg.window if m.draft_cfg is not None else None,
                    new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
-                   static_chunks=static_chunks_default() if static is None else static,
                    rows=rows, summary=summary,
                    timing=f"host wall clock of the decode loop after a compile run, the median of {a.reps} runs; "
                           "prefill excluded")

@@ -1,10 +1,7 @@
 """Generation: autoregressive NSA decoding (`ar_generate`) and, in `ssv_jax.speculative`, SSV.
 
-Both run their steps inside one jitted loop over fixed-size buffers, a chunk of steps per call; the host only shows
-progress (and, for SSV, runs the planner) between chunks. On a GPU a chunk has a static trip count (`static_chunks`):
-a `lax.while_loop` whose condition reads device data makes XLA's GPU runtime copy the predicate to the host and wait
-for the stream after every iteration, so the host could not enqueue the next step's kernels while the GPU ran this
-one. The host sizes such chunks so that none runs a step past the end (`static_chunk_size`).
+Both run their steps inside a jitted `lax.while_loop` over fixed-size buffers, a chunk of steps per call; the host
+only shows progress (and, for SSV, runs the planner) between chunks.
 """
 
 from __future__ import annotations
@@ -77,63 +74,27 @@ def _check_sampling(temperature: float, eos_id, cfg: ModelConfig):
         raise ValueError(f"eos_id={eos_id} is invalid; accepted: None or an id in [0, {cfg.vocab_size})")
 
 
-def static_chunks_default() -> bool:
-    """Whether generation runs chunks with a static trip count by default: on a GPU (see the module docstring).
-    Elsewhere a `while_loop` that stops when every row is done costs nothing extra and compiles one variant."""
-    return jax.default_backend() == "gpu"
-
-
-def _static(static: bool | None) -> bool:
-    return static_chunks_default() if static is None else bool(static)
-
-
-def static_chunk_size(remaining: int, per_step: int, cap: int) -> int:
-    """The steps of the next static chunk: the largest power of two <= `cap` such that the chunk cannot run past
-    the end. Each step emits at most `per_step` tokens, so ceil(remaining / per_step) steps are needed before the
-    row with `remaining` tokens to go can finish. Powers of two bound the compiled variants to log2(cap) + 1."""
-    if remaining < 1 or per_step < 1 or cap < 1:
-        raise ValueError(f"remaining={remaining}, per_step={per_step}, cap={cap}; accepted: integers >= 1")
-    need = min(cap, -(-remaining // per_step))
-    return 1 << (need.bit_length() - 1)
-
-
-def chunk_loop(body, n: int, carry, until_done=None):
-    """Run `body(i, carry) -> carry` for i = 0..n-1 in one loop: a static trip count when `until_done` is None,
-    else a `while_loop` that also stops once `until_done(carry)` holds. Returns (steps run, carry)."""
-    if until_done is None:
-        return n, jax.lax.fori_loop(0, n, body, carry)
-    i, carry = jax.lax.while_loop(lambda c: (c[0] < n) & ~until_done(c[1]), lambda c: (c[0] + 1, body(*c)),
-                                  (0, carry))
-    return i, carry
-
-
-@partial(jax.jit, static_argnames=("cfg", "steps", "temperature", "schedule", "attn", "static"),
-         donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "steps", "temperature", "schedule", "attn"), donate_argnames=("cache",))
 def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, *, steps: int, temperature: float,
-              schedule, attn, static: bool | None = None):
-    """`steps` decode steps in one loop (`chunk_loop`: a static trip count if `static`, else a while_loop that stops
-    early once every row is done; None: `static_chunks_default`). token [B] is the last sampled token (not yet in
-    the cache)."""
+              schedule, attn):
+    """`steps` decode steps in one while_loop. token [B] is the last sampled token (not yet in the cache)."""
     B = token.shape[0]
 
-    def body(i, c):
-        cache, tok, done, out = c
+    def cond(c):
+        i, _, _, done, _ = c
+        return (i < steps) & ~jnp.all(done)
+
+    def body(c):
+        i, cache, tok, done, out = c
         logits, _, cache = M.forward(params, cfg, tok[:, None], cache, schedule=schedule, unroll=True, attn=attn)
         nxt = sample(logits[:, 0], temperature, jax.random.fold_in(key, i))
         nxt = jnp.where(done, eos, nxt)
         out = out.at[:, i].set(nxt)
-        return cache, nxt, done | (nxt == eos), out
+        return i + 1, cache, nxt, done | (nxt == eos), out
 
     out = jnp.full((B, steps), -1, jnp.int32)
-    n, (cache, tok, done, out) = chunk_loop(body, steps, (cache, token, done, out),
-                                            None if _static(static) else lambda c: jnp.all(c[2]))
+    n, cache, tok, done, out = jax.lax.while_loop(cond, body, (0, cache, token, done, out))
     return cache, tok, done, out, n
-
-
-def _live_steps(is_eos: np.ndarray) -> int:
-    """The steps [B, n] of a chunk up to and including the first at which every row has emitted EOS (n if none)."""
-    done_by = np.logical_or.accumulate(is_eos, axis=1).all(0)
-    return int(np.argmax(done_by)) + 1 if done_by.any() else is_eos.shape[1]
 
 
 def default_decode_attention():
@@ -149,7 +110,7 @@ def default_decode_attention():
 def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                 eos_id: int | None = None, *, schedule=None, attn=None, chunk_steps: int = 64,
                 prefill_chunk: int = 512, cache_dtype=None, progress: bool = False, mesh=None,
-                split_weights: bool = True, static_chunks: bool | None = None) -> GenerateResult:
+                split_weights: bool = True) -> GenerateResult:
     """Autoregressive NSA decoding (optionally under a refresh/reuse `schedule`, the SSV model variant).
 
     `mesh` (a `jax.sharding.Mesh` with axis "tp", see `ssv_jax.sharding`) shards params and cache over KV heads;
@@ -161,16 +122,9 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     and decode the Pallas kernels on a GPU (faster per step at 8B shapes, docs/RESULTS.md), the reference
     elsewhere.
 
-    `static_chunks` (default: on a GPU, `static_chunks_default`) runs each chunk of at most `chunk_steps` steps
-    with a static trip count, sized by `static_chunk_size`; once every row has emitted `eos_id` the rest of that
-    chunk still runs and is dropped. False stops a chunk on device when every row is done, at one host sync a step.
-
     Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
     cfg, params = unpack_target(model)
     _check_sampling(temperature, eos_id, cfg)
-    if chunk_steps < 1:
-        raise ValueError(f"chunk_steps={chunk_steps}; accepted: an integer >= 1")
-    static = _static(static_chunks)
     prompt = prepare_prompt(cfg, prompt_ids, max_new_tokens, extra_room=prefill_chunk)
     B, P = prompt.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
@@ -198,18 +152,15 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc="decode", unit="tok", initial=1)
     while produced < max_new_tokens and not bool(jnp.all(done)):
-        left = max_new_tokens - produced
-        steps = static_chunk_size(left, 1, chunk_steps) if static else min(chunk_steps, left)
+        steps = min(chunk_steps, max_new_tokens - produced)
         cache, tok, done, out, n = _ar_chunk(params, cfg, cache, tok, jax.random.fold_in(key, produced), done,
                                              eos, steps=steps, temperature=float(temperature),
-                                             schedule=schedule, attn=decode_attn, static=static)
-        out = np.asarray(out)[:, : int(n)]
-        if static:  # drop the steps after every row was done, as the while_loop would not have run them
-            out = out[:, : _live_steps(out == int(eos))]
-        outs.append(out)
-        produced += out.shape[1]
+                                             schedule=schedule, attn=decode_attn)
+        n = int(n)
+        outs.append(np.asarray(out)[:, :n])
+        produced += n
         if bar is not None:
-            bar.update(out.shape[1])
+            bar.update(n)
     if bar is not None:
         bar.close()
     t2 = time.perf_counter()

@@ -3,10 +3,9 @@
 One round: the EAGLE-3 head drafts a tree (static shape), the NSA target verifies every node in one pass
 (`model.forward_tree`: tree mask, per-path compressed blocks), acceptance picks the path (greedy, or stochastic
 and lossless), the accepted K/V are committed into the target cache with their completed compressed blocks, and
-the accepted nodes' features are fed back to the head. Rounds run inside one jitted loop over fixed-size buffers,
-a chunk of rounds per call (with a static trip count on a GPU, `ssv_jax.generate.chunk_loop`); between chunks the
-host updates progress and lets the planner switch policy. Each distinct `SSVPolicy` (and chunk length) is one
-compiled variant, cached by jit.
+the accepted nodes' features are fed back to the head. Rounds run inside a jitted `lax.while_loop` over
+fixed-size buffers, a chunk of rounds per call; between chunks the host updates progress and lets the planner
+switch policy. Each distinct `SSVPolicy` is one compiled variant, cached by jit.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from ssv_jax import model as M
 from ssv_jax import sharding
 from ssv_jax import tree as tr
 from ssv_jax.config import ModelConfig
-from ssv_jax.generate import (GenerateResult, _check_sampling, _static, chunk_loop, prepare_prompt, sample,
-                              static_chunk_size)
+from ssv_jax.generate import GenerateResult, _check_sampling, prepare_prompt, sample
 from ssv_jax.policy import SSVPolicy, attention_for
 
 
@@ -144,23 +142,24 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     return new, count
 
 
-@partial(jax.jit, static_argnames=("cfg", "dcfg", "policy", "temperature", "rounds", "max_new", "mesh", "static"),
+@partial(jax.jit, static_argnames=("cfg", "dcfg", "policy", "temperature", "rounds", "max_new", "mesh"),
          donate_argnames=("st",))
 def _ssv_chunk(params, dparams, st: RoundState, key, eos, *, cfg, dcfg, policy: SSVPolicy, temperature: float,
-               rounds: int, max_new: int, mesh=None, static: bool | None = None):
-    """`rounds` rounds in one loop (`chunk_loop`: a static trip count if `static`, else a while_loop that stops once
-    every row is done; None: `static_chunks_default`); returns (state, emitted per round [rounds, B], rounds run).
-    A round that starts with every row done emits nothing."""
+               rounds: int, max_new: int, mesh=None):
+    """Up to `rounds` rounds in one while_loop; returns (state, emitted per round [rounds, B], rounds run)."""
     B = st.root_token.shape[0]
     m = SSVModel(cfg, params, dcfg, dparams)
 
-    def body(r, c):
-        st, hist = c
-        st, count = ssv_round(m, policy, temperature, st, jax.random.fold_in(key, r), eos, max_new, mesh=mesh)
-        return st, hist.at[r].set(count)
+    def cond(c):
+        r, st, _ = c
+        return (r < rounds) & ~jnp.all(st.done)
 
-    r, (st, hist) = chunk_loop(body, rounds, (st, jnp.zeros((rounds, B), jnp.int32)),
-                               None if _static(static) else lambda c: jnp.all(c[0].done))
+    def body(c):
+        r, st, hist = c
+        st, count = ssv_round(m, policy, temperature, st, jax.random.fold_in(key, r), eos, max_new, mesh=mesh)
+        return r + 1, st, hist.at[r].set(count)
+
+    r, st, hist = jax.lax.while_loop(cond, body, (0, st, jnp.zeros((rounds, B), jnp.int32)))
     return st, hist, r
 
 
@@ -223,7 +222,7 @@ def first_state(m: SSVModel, prompt: np.ndarray, tcache, dcache, eos, max_new_to
 def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", temperature: float = 0.0,
                  seed: int = 0, eos_id: int | None = None, chunk_rounds: int = 16, prefill_chunk: int = 512,
                  planner=None, cache_dtype=None, progress: bool = False, mesh=None,
-                 split_weights: bool = True, static_chunks: bool | None = None) -> GenerateResult:
+                 split_weights: bool = True) -> GenerateResult:
     """Generate with Sparse Speculative Verification.
 
     Args:
@@ -238,10 +237,6 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
       split_weights: run the rounds on the decode weight layout (`model.split_layers`: per-layer buffers, fused
         projections), which holds a second copy of the target's weights; False slices the stacked weights
         inside the loop instead (about 3x slower per round at 8B shapes, docs/RESULTS.md).
-      chunk_rounds: the most rounds per jitted call; the planner may switch policy between calls.
-      static_chunks: run each chunk with a static trip count (default: on a GPU, see `ssv_jax.generate`), sized
-        by `static_chunk_size` so that no chunk runs a round after the last row can finish (EOS aside); False
-        stops a chunk on device once every row is done, at one host sync per round.
     Returns `GenerateResult(tokens [B, n], stats)`; stats: rounds, accepted_per_round (tokens emitted per round:
     accepted drafts + bonus), tau (their mean), policy_trace, prefill_s, decode_s, tokens_per_s.
     """
@@ -250,9 +245,6 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     m = unpack_ssv(model)
     cfg = m.cfg
     _check_sampling(temperature, eos_id, cfg)
-    if chunk_rounds < 1:
-        raise ValueError(f"chunk_rounds={chunk_rounds}; accepted: an integer >= 1")
-    static = _static(static_chunks)
     if planner is None:
         planner = Planner.for_policy(policy, cfg, precision=getattr(policy, "precision", "exact"))
     for cand in planner.candidates():  # every check before any device work
@@ -281,22 +273,13 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc="ssv", unit="tok", initial=1)
-
-    def most_left(st) -> int:
-        """The most tokens a live row still emits (0 once every row is done)."""
-        live = ~np.asarray(st.done)
-        return int((max_new_tokens - np.asarray(st.n_out))[live].max()) if live.any() else 0
-
-    left = most_left(st)
-    while left > 0:
+    while not bool(jnp.all(st.done)):
         tc = time.perf_counter()
-        rounds = static_chunk_size(left, pol.depth + 1, chunk_rounds) if static else chunk_rounds
         st, hist, r = _ssv_chunk(m.params, m.draft_params, st, jax.random.fold_in(key, r_total), eos, cfg=cfg,
-                                 dcfg=m.draft_cfg, policy=pol, temperature=float(temperature), rounds=rounds,
-                                 max_new=max_new_tokens, mesh=mesh, static=static)
-        h = np.asarray(hist)[: int(r)]
-        r = int(np.count_nonzero(h.sum(1)))  # a live row emits >= 1 a round: only rounds after all were done emit 0
-        h = h[:r]
+                                 dcfg=m.draft_cfg, policy=pol, temperature=float(temperature), rounds=chunk_rounds,
+                                 max_new=max_new_tokens, mesh=mesh)
+        r = int(r)
+        h = np.asarray(hist)[:r]
         per_round.extend(h.mean(1).tolist())
         trace.append(dict(round=r_total, policy=pol.describe(), rounds=r, tau=float(h.mean()) if r else None,
                           seconds=time.perf_counter() - tc))
@@ -307,7 +290,6 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         n_sw = len(planner.switches)
         pol = planner.observe(pol, h, context=int(np.asarray(st.tcache.length).max()))
         (switch_s if len(planner.switches) > n_sw else observe_s).append(time.perf_counter() - tp)
-        left = most_left(st)
     if bar is not None:
         bar.close()
     t2 = time.perf_counter()

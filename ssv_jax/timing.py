@@ -34,8 +34,7 @@ SPLIT_PARTS = ("draft_ms", "routing_ms", "attention_ms", "rest_of_target_ms", "a
 SPLIT_METHOD = (
     "a model from differences, not a trace. draft: median host wall clock of `reps` synchronised jitted "
     "ssv_round(phase='draft') calls after a warm-up; verify = jitted ssv_round(phase='verify') (draft + verify "
-    "forward) - draft; round: a jitted chunk of `rounds` rounds (_ssv_chunk, a static trip count on a GPU) per "
-    "round, median over `reps` "
+    "forward) - draft; round: a jitted while_loop of `rounds` rounds (_ssv_chunk) per round, median over `reps` "
     "runs after a compile run; accept_commit = round - (draft + verify) (includes the loop's bookkeeping, and "
     "absorbs the dispatch that the separately called stages pay and the chunk amortises). The verify forward is "
     "then split with one layer's attention call at this state's shapes (layer 0's cache, the drafted tree's "

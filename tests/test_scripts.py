@@ -68,17 +68,14 @@ def test_ar_bench_decodes_each_context_in_a_cache_sized_for_it(tmp_path):
 
 
 def test_e2e_bench_clamps_contexts_and_splits_the_fixed_policys_round(tmp_path, capsys):
-    """Contexts beyond the model run at the longest it handles (here with static-trip-count chunks, as on a GPU).
-    The round split of the fixed policy (schedule
+    """Contexts beyond the model run at the longest it handles. The round split of the fixed policy (schedule
     P=2: RURU) has one row for the context: finite parts that sum to the round, the schedule's refresh count, and
     the tau of the same prompt's ssv run."""
     out = tmp_path / "e2e.json"
     _script("bench_e2e").main(["--random-preset", "tiny", "--contexts", "100000", "--prompts", "1",
                                "--new-tokens", "4", "--tree", "2", "2", "4", "--backend", "reference",
-                               "--schedule", "2", "--methods", "ar", "ssv", "--static-chunks", "on",
-                               "--out", str(out)])
+                               "--schedule", "2", "--methods", "ar", "ssv", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["static_chunks"] is True
     longest = 2048 - 4 - 512 - 64  # tiny max_seq_len minus the new tokens and the working room
     assert {r["context"] for r in res["rows"]} == {longest}
     assert set(res["summary"]) == {f"{longest}/ar", f"{longest}/ssv"}
