@@ -57,6 +57,8 @@ def main(argv=None):
                          "every layer, precision 'exact'; otherwise 'strict')")
     ap.add_argument("--methods", nargs="+", default=["ar", "naive", "ssv", "ssv_planner", "dense_sd"])
     ap.add_argument("--no-split", action="store_true", help="skip the per-context round time split")
+    ap.add_argument("--chunk-rounds", type=int, default=16, help="SSV rounds per jitted call (ssv_generate)")
+    ap.add_argument("--chunk-steps", type=int, default=64, help="AR steps per jitted call (ar_generate)")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per method and prompt (the median is kept)")
     ap.add_argument("--out", default="docs/results/e2e_h200.json")
     a = ap.parse_args(argv)
@@ -71,14 +73,15 @@ def main(argv=None):
                       precision="exact" if exact else "strict")
     fixed.check_for(m.cfg)
     base = fixed.replace(schedule=None, precision="exact")  # the baselines never reuse a selection
+    ssv = lambda p, policy, **kw: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=policy,
+                                               chunk_rounds=a.chunk_rounds, **kw)
     runs = {
-        "ar": lambda p: ar_generate((m.cfg, m.params), p, a.new_tokens),
-        "naive": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=base.replace(backend="naive")),
-        "ssv": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=fixed),
+        "ar": lambda p: ar_generate((m.cfg, m.params), p, a.new_tokens, chunk_steps=a.chunk_steps),
+        "naive": lambda p: ssv(p, base.replace(backend="naive")),
+        "ssv": lambda p: ssv(p, fixed),
         # the planner chooses within the fixed policy's precision class, so that both compete on the same terms
-        "ssv_planner": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy="auto",
-                                              planner=Planner.for_policy("auto", m.cfg, precision=fixed.precision)),
-        "dense_sd": lambda p: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=base.replace(backend="dense")),
+        "ssv_planner": lambda p: ssv(p, "auto", planner=Planner.for_policy("auto", m.cfg, precision=fixed.precision)),
+        "dense_sd": lambda p: ssv(p, base.replace(backend="dense")),
     }
     unknown = sorted(set(a.methods) - set(runs))
     if unknown:
@@ -118,6 +121,7 @@ def main(argv=None):
                    jax=jax.__version__, dtype=str(jax.tree.leaves(m.params)[0].dtype),
                    draft_window=m.draft_cfg.window if m.draft_cfg is not None else None,
                    new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
+                   chunk_rounds=a.chunk_rounds, chunk_steps=a.chunk_steps,
                    rows=rows, summary=summary,
                    timing=f"host wall clock of the decode loop after a compile run, the median of {a.reps} runs; "
                           "prefill excluded")

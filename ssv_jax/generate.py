@@ -75,10 +75,12 @@ def _check_sampling(temperature: float, eos_id, cfg: ModelConfig):
 
 
 @partial(jax.jit, static_argnames=("cfg", "steps", "temperature", "schedule", "attn"), donate_argnames=("cache",))
-def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, *, steps: int, temperature: float,
+def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, start=0, *, steps: int, temperature: float,
               schedule, attn):
-    """`steps` decode steps in one while_loop. token [B] is the last sampled token (not yet in the cache)."""
+    """`steps` decode steps in one while_loop. token [B] is the last sampled token (not yet in the cache). Step i
+    samples with fold_in(fold_in(key, start), i) (`start`: the tokens produced before)."""
     B = token.shape[0]
+    key = jax.random.fold_in(key, start)
 
     def cond(c):
         i, _, _, done, _ = c
@@ -125,6 +127,8 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
     cfg, params = unpack_target(model)
     _check_sampling(temperature, eos_id, cfg)
+    if not (isinstance(chunk_steps, int) and chunk_steps >= 1):
+        raise ValueError(f"chunk_steps={chunk_steps!r} is invalid; accepted: an integer >= 1")
     prompt = prepare_prompt(cfg, prompt_ids, max_new_tokens, extra_room=prefill_chunk)
     B, P = prompt.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
@@ -151,13 +155,13 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc="decode", unit="tok", initial=1)
-    while produced < max_new_tokens and not bool(jnp.all(done)):
+    while produced < max_new_tokens and not np.all(np.asarray(done)):
         steps = min(chunk_steps, max_new_tokens - produced)
-        cache, tok, done, out, n = _ar_chunk(params, cfg, cache, tok, jax.random.fold_in(key, produced), done,
-                                             eos, steps=steps, temperature=float(temperature),
-                                             schedule=schedule, attn=decode_attn)
+        cache, tok, done, out, n = _ar_chunk(params, cfg, cache, tok, key, done, eos, produced, steps=steps,
+                                             temperature=float(temperature), schedule=schedule, attn=decode_attn)
+        out, n, done = jax.device_get((out, n, done))  # one transfer for all the host reads
         n = int(n)
-        outs.append(np.asarray(out)[:, :n])
+        outs.append(out[:, :n])
         produced += n
         if bar is not None:
             bar.update(n)

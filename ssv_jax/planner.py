@@ -11,6 +11,7 @@ acceptance (`predict_tokens_per_s`) and switches to the best one if it beats the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -75,9 +76,11 @@ def save_profile(path: str, buckets: dict, *, hardware: str, model: str, prompts
     return prof
 
 
+@functools.lru_cache(maxsize=4096)
 def chain_alpha(tau: float, depth: int) -> float:
     """The per-step acceptance rate a of a depth-`depth` chain whose mean emitted tokens per round is `tau`:
-    tau = 1 + a + ... + a**depth (bisection; tau is clipped to [1, depth + 1])."""
+    tau = 1 + a + ... + a**depth (bisection; tau is clipped to [1, depth + 1]). Cached: the planner asks for the
+    same profiled taus after every chunk, and it runs on the host between chunks, where the GPU waits."""
     tau = min(max(float(tau), 1.0), depth + 1.0)
     lo, hi = 0.0, 1.0
     for _ in range(60):
@@ -87,6 +90,7 @@ def chain_alpha(tau: float, depth: int) -> float:
 
 
 def chain_tau(alpha: float, depth: int) -> float:
+    """1 + a + ... + a**depth."""
     return float(sum(alpha ** i for i in range(depth + 1)))
 
 

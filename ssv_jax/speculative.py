@@ -144,11 +144,14 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
 
 @partial(jax.jit, static_argnames=("cfg", "dcfg", "policy", "temperature", "rounds", "max_new", "mesh"),
          donate_argnames=("st",))
-def _ssv_chunk(params, dparams, st: RoundState, key, eos, *, cfg, dcfg, policy: SSVPolicy, temperature: float,
-               rounds: int, max_new: int, mesh=None):
-    """Up to `rounds` rounds in one while_loop; returns (state, emitted per round [rounds, B], rounds run)."""
+def _ssv_chunk(params, dparams, st: RoundState, key, eos, start=0, *, cfg, dcfg, policy: SSVPolicy,
+               temperature: float, rounds: int, max_new: int, mesh=None):
+    """Up to `rounds` rounds in one while_loop; returns (state, emitted per round [rounds, B], rounds run). Round r
+    samples with fold_in(fold_in(key, start), r) (`start`: the rounds run before, folded in here rather than by a
+    separate host-dispatched op)."""
     B = st.root_token.shape[0]
     m = SSVModel(cfg, params, dcfg, dparams)
+    key = jax.random.fold_in(key, start)
 
     def cond(c):
         r, st, _ = c
@@ -245,6 +248,8 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     m = unpack_ssv(model)
     cfg = m.cfg
     _check_sampling(temperature, eos_id, cfg)
+    if not (isinstance(chunk_rounds, int) and chunk_rounds >= 1):
+        raise ValueError(f"chunk_rounds={chunk_rounds!r} is invalid; accepted: an integer >= 1")
     if planner is None:
         planner = Planner.for_policy(policy, cfg, precision=getattr(policy, "precision", "exact"))
     for cand in planner.candidates():  # every check before any device work
@@ -273,13 +278,16 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc="ssv", unit="tok", initial=1)
-    while not bool(jnp.all(st.done)):
+    done = np.asarray(st.done)
+    while not done.all():
         tc = time.perf_counter()
-        st, hist, r = _ssv_chunk(m.params, m.draft_params, st, jax.random.fold_in(key, r_total), eos, cfg=cfg,
-                                 dcfg=m.draft_cfg, policy=pol, temperature=float(temperature), rounds=chunk_rounds,
+        st, hist, r = _ssv_chunk(m.params, m.draft_params, st, key, eos, r_total, cfg=cfg, dcfg=m.draft_cfg,
+                                 policy=pol, temperature=float(temperature), rounds=chunk_rounds,
                                  max_new=max_new_tokens, mesh=mesh)
+        # everything the host reads between chunks, in one transfer (each separate read costs a device sync)
+        hist, r, done, length = jax.device_get((hist, r, st.done, st.tcache.length))
         r = int(r)
-        h = np.asarray(hist)[:r]
+        h = hist[:r]
         per_round.extend(h.mean(1).tolist())
         trace.append(dict(round=r_total, policy=pol.describe(), rounds=r, tau=float(h.mean()) if r else None,
                           seconds=time.perf_counter() - tc))
@@ -288,7 +296,7 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
             bar.update(int(h.sum(0).max()) if r else 0)
         tp = time.perf_counter()
         n_sw = len(planner.switches)
-        pol = planner.observe(pol, h, context=int(np.asarray(st.tcache.length).max()))
+        pol = planner.observe(pol, h, context=int(length.max()))
         (switch_s if len(planner.switches) > n_sw else observe_s).append(time.perf_counter() - tp)
     if bar is not None:
         bar.close()

@@ -46,6 +46,7 @@ def test_eos_stops_generation_and_pads():
     (dict(max_new_tokens=10, temperature=-1.0), "temperature"),
     (dict(max_new_tokens=10, eos_id=999), "eos_id"),
     (dict(max_new_tokens=1000), "exceeds the cache"),
+    (dict(max_new_tokens=10, chunk_steps=0), "chunk_steps=0"),
 ])
 def test_bad_arguments_raise_clear_errors(kw, needle):
     with pytest.raises(ValueError, match=needle):

@@ -148,6 +148,12 @@ def test_group_size_must_divide_the_tree_rows():
                      prefill_chunk=64)
 
 
+@pytest.mark.parametrize("chunk_rounds", [0, 2.5])
+def test_chunk_rounds_must_be_a_positive_integer(chunk_rounds):
+    with pytest.raises(ValueError, match=f"chunk_rounds={chunk_rounds}.*integer >= 1"):
+        ssv_generate(MODEL, PROMPT, max_new_tokens=8, policy=SSVPolicy(**TREE), chunk_rounds=chunk_rounds)
+
+
 def test_budget_above_the_cache_room_is_rejected():
     with pytest.raises(ValueError, match="exceeds the cache"):
         ssv_generate(MODEL, PROMPT, max_new_tokens=900, policy=SSVPolicy(**TREE), prefill_chunk=64)
