@@ -290,10 +290,14 @@ def routing_share(kern: dict):
 
 def planner_gain(data: dict):
     """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context; the main run and,
-    when present, `planner_same_class_run` (the planner choosing within the fixed policy's precision class)."""
+    when present, `planner_same_class_run` (the planner choosing within the fixed policy's precision class) or
+    `planner_rerun` (a later run of the planner, at its `code`)."""
     runs = [("planner, class 'exact'" if "planner_same_class_run" in data else "planner", data["rows"], -0.12)]
     if "planner_same_class_run" in data:
         runs.append(("planner, the fixed policy's class", data["planner_same_class_run"]["rows"], 0.12))
+    if "planner_rerun" in data:
+        runs.append((f"planner re-run ({data['planner_rerun'].get('code', 'later code')})",
+                     data["planner_rerun"]["rows"], 0.12))
     ctx = sorted({r["context"] for _, rows, _ in runs for r in rows})
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for (label, rows, dx), color in zip(runs, ("C0", "C1")):
