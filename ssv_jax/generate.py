@@ -124,6 +124,8 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     and decode the Pallas kernels on a GPU (faster per step at 8B shapes, docs/RESULTS.md), the reference
     elsewhere.
 
+    `chunk_steps` is the most steps per jitted call; between calls the host reads the results in one transfer.
+
     Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
     cfg, params = unpack_target(model)
     _check_sampling(temperature, eos_id, cfg)

@@ -240,6 +240,9 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
       split_weights: run the rounds on the decode weight layout (`model.split_layers`: per-layer buffers, fused
         projections), which holds a second copy of the target's weights; False slices the stacked weights
         inside the loop instead (about 3x slower per round at 8B shapes, docs/RESULTS.md).
+      chunk_rounds: the most rounds per jitted call. Between calls the host reads the results in one transfer,
+        updates progress and lets the planner switch policy; each call costs ~2 ms of host time on the H200
+        (docs/results/chunk_loop_h200.json).
     Returns `GenerateResult(tokens [B, n], stats)`; stats: rounds, accepted_per_round (tokens emitted per round:
     accepted drafts + bonus), tau (their mean), policy_trace, prefill_s, decode_s, tokens_per_s.
     """
