@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ssv_jax.config import get_config
-from ssv_jax.planner import Planner, ProfileError, bucket_of, load_profile, predict_tokens_per_s, save_profile
+from ssv_jax.planner import (Planner, ProfileError, bucket_of, chain_alpha, chain_tau, load_profile,
+                            predict_tokens_per_s, save_profile)
 from ssv_jax.policy import SSVPolicy
 
 CFG = get_config("tiny")
@@ -98,6 +99,18 @@ def test_without_profiled_tokens_per_s_drift_moves_to_the_next_ranked_policy():
     # the last-ranked policy has nowhere to go: it stays, with no new switch recorded
     pol = pl.observe(pol, np.full((8, 1), 1.0), context=4000)
     assert pol == P_MID and len(pl.switches) == 1
+
+
+def test_chain_alpha_inverts_chain_tau_and_clips_to_the_chains_reach():
+    rng = np.random.default_rng()
+    for depth, u in zip(rng.integers(1, 9, size=50), rng.random(50)):
+        depth = int(depth)
+        tau = 1.0 + u * depth  # inside [1, depth + 1]
+        a = chain_alpha(tau, depth)
+        assert 0.0 <= a <= 1.0 and chain_tau(a, depth) == pytest.approx(tau, abs=1e-9)
+        assert chain_alpha(tau, depth) == a  # the cached value is the computed one
+    assert chain_alpha(0.5, 4) == pytest.approx(0.0, abs=1e-12)  # below one token a round: rate 0
+    assert chain_alpha(9.0, 4) == pytest.approx(1.0, abs=1e-12)  # beyond the chain's reach: rate 1
 
 
 def test_predicted_tokens_per_s_is_the_profile_when_acceptance_is_as_profiled():

@@ -74,8 +74,9 @@ def test_e2e_bench_clamps_contexts_and_splits_the_fixed_policys_round(tmp_path, 
     out = tmp_path / "e2e.json"
     _script("bench_e2e").main(["--random-preset", "tiny", "--contexts", "100000", "--prompts", "1",
                                "--new-tokens", "4", "--tree", "2", "2", "4", "--backend", "reference",
-                               "--schedule", "2", "--methods", "ar", "ssv", "--out", str(out)])
+                               "--schedule", "2", "--methods", "ar", "ssv", "--chunk-rounds", "1", "--out", str(out)])
     res = json.loads(out.read_text())
+    assert (res["chunk_rounds"], res["chunk_steps"]) == (1, 64)
     longest = 2048 - 4 - 512 - 64  # tiny max_seq_len minus the new tokens and the working room
     assert {r["context"] for r in res["rows"]} == {longest}
     assert set(res["summary"]) == {f"{longest}/ar", f"{longest}/ssv"}
@@ -84,6 +85,7 @@ def test_e2e_bench_clamps_contexts_and_splits_the_fixed_policys_round(tmp_path, 
     assert "handles at most" in printed and f"{longest} split ms:" in printed
     ssv = next(r for r in res["rows"] if r["method"] == "ssv")
     assert sum(c["rounds"] for c in ssv["chunks"]) == ssv["rounds"] and all(c["seconds"] > 0 for c in ssv["chunks"])
+    assert [c["rounds"] for c in ssv["chunks"]] == [1] * ssv["rounds"]  # --chunk-rounds 1: a call per round
     (row,) = res["split"]
     assert (row["context"], row["prompt"], row["tau"]) == (longest, ssv["prompt"], ssv["tau"])
     assert (row["n_refresh"], row["n_layers"]) == (2, 4)
