@@ -241,6 +241,26 @@ def test_generate_cli_with_a_draft_window_still_decodes_the_ar_tokens(capsys):
         main(["--random-preset", "tiny", "--draft-window", "-1"])
 
 
+def test_chunk_cost_fits_a_per_call_and_a_per_round_cost(tmp_path):
+    """One timed chunk per requested length, each running all of its rounds; with two lengths the least-squares
+    line passes through both; the null call over the same arguments is timed too."""
+    out = tmp_path / "chunk_cost.json"
+    res = _script("chunk_cost").main(["--random-preset", "tiny", "--context", "200", "--rounds", "2", "1",
+                                      "--tree", "2", "2", "4", "--schedule", "2", "--backend", "reference",
+                                      "--reps", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert [r["rounds"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["ms"] > 0
+        assert res["fit"]["per_call_ms"] + r["rounds"] * res["fit"]["per_round_ms"] == pytest.approx(r["ms"])
+    assert res["null_ms"] > 0 and res["argument_buffers"] > 10
+
+
+def test_chunk_cost_needs_two_chunk_lengths():
+    with pytest.raises(SystemExit, match="two distinct"):
+        _script("chunk_cost").main(["--random-preset", "tiny", "--rounds", "4", "4"])
+
+
 def test_round_ops_attributes_traced_ops_to_their_source_lines():
     """Trace names map to HLO instructions (`fusion_3` is `fusion.3`), frames to `module.function:line` of this
     repository's files, counts and µs are per round, and ops with no such frame keep their own name."""

@@ -1,0 +1,94 @@
+"""What one jitted chunk of SSV rounds costs: per round, and per call (GPU; runs on CPU at small sizes).
+
+    python scripts/chunk_cost.py --checkpoint checkpoints/ssv-small --dtype bfloat16 --context 15712 \
+        --out $OUT/chunk_cost.json
+    python scripts/chunk_cost.py --random-preset tiny --context 256 --tree 2 2 4 --schedule 2 \
+        --backend reference --rounds 1 2 --out /tmp/chunk_cost.json
+
+`ssv_generate` runs its rounds in chunks (`_ssv_chunk`, one jitted while_loop each). Between chunks the host reads
+the results and runs the planner. From one held-out prompt's prefilled state, this times one chunk of each of
+`--rounds` rounds of the fixed policy (`timing.chunk_ms_per_round`: the median of `--reps` calls after a compile
+call, each on a fresh copy of the donated state). It then fits ms = per_call + rounds * per_round by least
+squares. `null_ms` times a jitted function of the same arguments that returns at once: what handing the weights
+and the state to a call costs. `bench_e2e.py`'s `chunks` rows give the same split from whole generations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssv_jax import model as M
+from ssv_jax import timing
+from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
+from ssv_jax.policy import SSVPolicy
+from ssv_jax.speculative import _ssv_chunk
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=None)
+    add_dtype_arg(ap)
+    ap.add_argument("--random-preset", default=None)
+    ap.add_argument("--context", type=int, default=15712)
+    ap.add_argument("--rounds", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--tree", type=int, nargs=3, default=[4, 6, 32], metavar=("TOP_K", "DEPTH", "BUDGET"))
+    ap.add_argument("--schedule", type=int, default=4, help="the fixed policy's refresh period P")
+    ap.add_argument("--backend", default="kernel", choices=["kernel", "reference"])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default="chunk_cost.json")
+    a = ap.parse_args(argv)
+    if len(set(a.rounds)) < 2 or min(a.rounds) < 1:
+        raise SystemExit(f"--rounds {a.rounds} is invalid; accepted: at least two distinct integers >= 1")
+    if a.reps < 1:
+        raise SystemExit(f"--reps={a.reps} is invalid; accepted: an integer >= 1")
+    m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
+                                                 dtype=a.dtype))
+    k, d, b = a.tree
+    policy = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend,
+                       schedule=a.schedule if a.schedule > 1 else None,
+                       precision="strict" if a.schedule > 1 else "exact")
+    name, p = prompts(tok, m.cfg.vocab_size, a.context, 1)[0]
+    st0, eos = timing.prefilled_state(m, p, policy, max(a.rounds) * (d + 1) + 1)
+    split = M.split_layers(m.params)  # the rounds' weight layout, as in ssv_generate
+    key = jax.random.key(0)
+
+    def chunk(rounds):
+        return lambda s: _ssv_chunk(split, m.draft_params, s, key, eos, cfg=m.cfg, dcfg=m.draft_cfg, policy=policy,
+                                    temperature=0.0, rounds=rounds, max_new=1 << 30)
+
+    rows = []
+    for r in sorted(set(a.rounds)):
+        run = chunk(r)
+        ran = int(jax.block_until_ready(run(jax.tree.map(jnp.copy, st0)))[2])  # compiles
+        if ran != r:
+            raise SystemExit(f"a chunk of {r} rounds ran {ran}: the state finished early; accepted: a live state")
+        ms = timing.chunk_ms_per_round(run, st0, a.reps, warmup=False) * r
+        rows.append(dict(rounds=r, ms=ms))
+        print(f"{r:3d} rounds: {ms:8.3f} ms a call", flush=True)
+    n = np.array([row["rounds"] for row in rows], float)
+    (per_call, per_round), *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), [row["ms"] for row in rows],
+                                                rcond=None)
+    null = jax.jit(lambda params, dparams, st, key, eos: st.n_out + 1)
+    null_ms = timing.host_time(null, split, m.draft_params, st0, key, eos, reps=a.reps)
+    n_args = len(jax.tree.leaves((split, m.draft_params, st0, key, eos)))
+    print(f"fit: {per_call:.3f} ms a call + {per_round:.3f} ms a round; a null call with the same {n_args} "
+          f"arguments: {null_ms:.3f} ms")
+    res = dict(benchmark="chunk_cost", model=desc, device=jax.devices()[0].device_kind, jax=jax.__version__,
+               context=a.context, prompt=name, policy=policy.describe(), reps=a.reps, rows=rows,
+               fit=dict(per_call_ms=float(per_call), per_round_ms=float(per_round)), null_ms=null_ms,
+               argument_buffers=n_args,
+               method="host wall clock of one synchronised _ssv_chunk call per row (median of reps, fresh state "
+                      "copy each), least-squares fit ms = per_call + rounds * per_round; null = a jitted function "
+                      "of the same arguments returning at once")
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main()
