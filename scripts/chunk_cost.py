@@ -24,8 +24,7 @@ import numpy as np
 
 from ssv_jax import model as M
 from ssv_jax import timing
-from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
-from ssv_jax.policy import SSVPolicy
+from ssv_jax.generate_cli import add_dtype_arg, bench_policy, load_model, prompts
 from ssv_jax.speculative import _ssv_chunk
 
 
@@ -48,10 +47,8 @@ def main(argv=None):
         raise SystemExit(f"--reps={a.reps} is invalid; accepted: an integer >= 1")
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
                                                  dtype=a.dtype))
-    k, d, b = a.tree
-    policy = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend,
-                       schedule=a.schedule if a.schedule > 1 else None,
-                       precision="strict" if a.schedule > 1 else "exact")
+    d = a.tree[1]
+    policy = bench_policy(a.tree, a.schedule, a.backend)
     name, p = prompts(tok, m.cfg.vocab_size, a.context, 1)[0]
     st0, eos = timing.prefilled_state(m, p, policy, max(a.rounds) * (d + 1) + 1)
     split = M.split_layers(m.params)  # the rounds' weight layout, as in ssv_generate

@@ -292,15 +292,16 @@ def planner_gain(data: dict):
     """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context; the main run and,
     when present, `planner_same_class_run` (the planner choosing within the fixed policy's precision class) or
     `planner_rerun` (a later run of the planner, at its `code`)."""
-    runs = [("planner, class 'exact'" if "planner_same_class_run" in data else "planner", data["rows"], -0.12)]
+    runs = [("planner, class 'exact'" if "planner_same_class_run" in data else "planner", data["rows"])]
     if "planner_same_class_run" in data:
-        runs.append(("planner, the fixed policy's class", data["planner_same_class_run"]["rows"], 0.12))
+        runs.append(("planner, the fixed policy's class", data["planner_same_class_run"]["rows"]))
     if "planner_rerun" in data:
         runs.append((f"planner re-run ({data['planner_rerun'].get('code', 'later code')})",
-                     data["planner_rerun"]["rows"], 0.12))
-    ctx = sorted({r["context"] for _, rows, _ in runs for r in rows})
+                     data["planner_rerun"]["rows"]))
+    ctx = sorted({r["context"] for _, rows in runs for r in rows})
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for (label, rows, dx), color in zip(runs, ("C0", "C1")):
+    for j, (label, rows) in enumerate(runs):  # side by side within each context
+        color, dx = f"C{j}", -0.12 + 0.24 * j / max(len(runs) - 1, 1)
         tps = {(r["context"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows}
         for i, c in enumerate(ctx):
             g = [tps[(c, p, "ssv_planner")] / tps[(c, p, "ssv")] for (cc, p, m) in tps

@@ -30,8 +30,7 @@ from ssv_jax import cache as kvc
 from ssv_jax import model as M
 from ssv_jax import timing
 from ssv_jax.generate import _ar_chunk, default_decode_attention, prepare_prompt
-from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
-from ssv_jax.policy import SSVPolicy
+from ssv_jax.generate_cli import add_dtype_arg, bench_policy, load_model, prompts
 from ssv_jax.speculative import _ssv_chunk
 
 TOP = 25
@@ -77,10 +76,8 @@ def main(argv=None):
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
                                                  dtype=a.dtype))
     cfg = m.cfg
-    k, d, b = a.tree
-    policy = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend,
-                       schedule=a.schedule if a.schedule > 1 else None,
-                       precision="strict" if a.schedule > 1 else "exact")
+    d = a.tree[1]
+    policy = bench_policy(a.tree, a.schedule, a.backend)
     policy.check_for(cfg)
     name, p = prompts(tok, cfg.vocab_size, a.context, 1)[0]
     new_tokens = max(a.steps + 1, a.rounds * (d + 1)) * 2 + 16

@@ -74,6 +74,12 @@ def _check_sampling(temperature: float, eos_id, cfg: ModelConfig):
         raise ValueError(f"eos_id={eos_id} is invalid; accepted: None or an id in [0, {cfg.vocab_size})")
 
 
+def _check_chunk(name: str, value) -> None:
+    """A chunk length (steps or rounds per jitted call) must be an integer >= 1."""
+    if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{name}={value!r} is invalid; accepted: an integer >= 1")
+
+
 @partial(jax.jit, static_argnames=("cfg", "steps", "temperature", "schedule", "attn"), donate_argnames=("cache",))
 def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, start=0, *, steps: int, temperature: float,
               schedule, attn):
@@ -129,8 +135,7 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
     cfg, params = unpack_target(model)
     _check_sampling(temperature, eos_id, cfg)
-    if not (isinstance(chunk_steps, int) and chunk_steps >= 1):
-        raise ValueError(f"chunk_steps={chunk_steps!r} is invalid; accepted: an integer >= 1")
+    _check_chunk("chunk_steps", chunk_steps)
     prompt = prepare_prompt(cfg, prompt_ids, max_new_tokens, extra_room=prefill_chunk)
     B, P = prompt.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype

@@ -84,6 +84,16 @@ def policy_from_args(a):
     return SSVPolicy(**fields)
 
 
+def bench_policy(tree, period: int, backend: str = "kernel"):
+    """The benchmarks' fixed policy: the (top_k, depth, budget) `tree` in dfs order, C=4, refresh period `period`
+    (class "strict" when it reuses, P > 1, else "exact") on `backend`."""
+    from ssv_jax.policy import SSVPolicy
+
+    k, d, b = tree
+    return SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=backend,
+                     schedule=period if period > 1 else None, precision="strict" if period > 1 else "exact")
+
+
 def _refresh_only(s) -> bool:
     return s == 1 or (isinstance(s, str) and set(s) == {"R"})
 

@@ -25,7 +25,7 @@ from ssv_jax import model as M
 from ssv_jax import sharding
 from ssv_jax import tree as tr
 from ssv_jax.config import ModelConfig
-from ssv_jax.generate import GenerateResult, _check_sampling, prepare_prompt, sample
+from ssv_jax.generate import GenerateResult, _check_chunk, _check_sampling, prepare_prompt, sample
 from ssv_jax.policy import SSVPolicy, attention_for
 
 
@@ -251,8 +251,7 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
     m = unpack_ssv(model)
     cfg = m.cfg
     _check_sampling(temperature, eos_id, cfg)
-    if not (isinstance(chunk_rounds, int) and chunk_rounds >= 1):
-        raise ValueError(f"chunk_rounds={chunk_rounds!r} is invalid; accepted: an integer >= 1")
+    _check_chunk("chunk_rounds", chunk_rounds)
     if planner is None:
         planner = Planner.for_policy(policy, cfg, precision=getattr(policy, "precision", "exact"))
     for cand in planner.candidates():  # every check before any device work
