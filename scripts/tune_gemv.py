@@ -3,7 +3,8 @@
 
     python scripts/tune_gemv.py --out $OUT/gemv_h200.json
 
-For one decode row of `llama31-8b-nsa` (bf16, random weights):
+For one decode row of `llama31-8b-nsa` (bf16, random weights; `--preset small --rows 32` times the bundled
+model's 32-node verify instead; q/k/v/gate is then 792 columns wide, which the kernel does not take):
 
 * qkvg: rms_norm(x) @ w_qkvg                       [4096] x [4096, 6240]
 * wo:   x + o @ wo                                 [4096] x [4096, 4096]
@@ -67,6 +68,8 @@ def time_calls(fn, args, reps: int) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama31-8b-nsa")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="rows of x: 1 for a decode step, 32 for a 32-node verify (`gemv.TILE_ROWS`)")
     ap.add_argument("--ops", nargs="+", default=["qkvg", "wo", "gu", "down"])
     ap.add_argument("--layers", type=int, default=16, help="distinct weights per timed call")
     ap.add_argument("--reps", type=int, default=20)
@@ -85,7 +88,8 @@ def main():
     res = {"benchmark": "decode_gemv", "device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "command": "python scripts/tune_gemv.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
                                                                    vars(args).items() if k != "out"),
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, "layers_per_call": args.layers,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, "rows": args.rows,
+           "layers_per_call": args.layers,
            "ops": {}}
     key = jax.random.PRNGKey(0)
     for name in args.ops:
@@ -94,9 +98,9 @@ def main():
         ks = jax.random.split(jax.random.fold_in(key, hash(name) % 1000), args.layers + 3)
         ws = [(jax.random.normal(k, (K, N), jnp.float32) * K ** -0.5).astype(dt) for k in ks[:args.layers]]
         stored = {"kn": ws, "nk": [jnp.asarray(w.T) for w in ws] if "nk" in args.layout else None}
-        x = jax.random.normal(ks[-3], (1, 1, K), jnp.float32).astype(dt)
+        x = jax.random.normal(ks[-3], (1, args.rows, K), jnp.float32).astype(dt)
         nw = (1 + 0.1 * jax.random.normal(ks[-2], (K,))).astype(dt)
-        r = jax.random.normal(ks[-1], (1, 1, n_out), jnp.float32).astype(dt)
+        r = jax.random.normal(ks[-1], (1, args.rows, n_out), jnp.float32).astype(dt)
         gbytes = K * N * 2 / 1e9
 
         def many(f):
