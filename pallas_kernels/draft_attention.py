@@ -136,11 +136,5 @@ def draft_attention(q, k, v, length, positions, window=None, extra=(), *, nsplit
     acc, m, l = pallas(kern, grid=(B * H, nsplit), in_specs=specs, out_specs=[st(mp, D), st(mp), st(mp)],
                        out_shape=[f32(mp, D), f32(mp), f32(mp)], args=args, num_warps=num_warps,
                        num_stages=num_stages, interpret=interpret, name="draft_attention")
-    # Reorder the splits' states to [B, split, M, Hq, (D)] before combining them, so that the reorder, the
-    # combine and the cast are one XLA fusion (reordering the combined rows after it took a second launch).
-    def per_split(x):  # [B, H, split, Mp, d] -> [B, split, M, Hq, d]
-        x = jnp.moveaxis(x, 2, 1).reshape((B * nsplit, H, 1) + x.shape[3:])
-        return unrows(x, M, G).reshape(B, nsplit, M, Hq, x.shape[-1])
-
-    o = combine(per_split(acc), per_split(m[..., None])[..., 0], per_split(l[..., None])[..., 0], axis=1)[0]
-    return o.astype(q.dtype).reshape(B, M, Hq * D)
+    o = combine(acc, m, l, axis=2)[0]  # [B, H, Mp, D]
+    return unrows(o[:, :, None], M, G).reshape(B, M, Hq * D).astype(q.dtype)

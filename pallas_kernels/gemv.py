@@ -6,8 +6,7 @@ gate/up, the split-K reduction after, the SwiGLU product, the residual add (docs
 ~11 such ops per layer). Here one launch does a whole projection with its neighbours:
 
     y = rms_norm(x, norm) @ w              (norm: the prologue; `model.rms_norm`)
-    y = silu(h @ w_gate) * (h @ w_up)      (swiglu: w = [w_gate | w_up] fused column-wise, `model.split_layers`,
-                                            or the pair (w_gate, w_up) read in place)
+    y = silu(h @ w_gate) * (h @ w_up)      (swiglu: w = [w_gate | w_up] fused column-wise, `model.split_layers`)
     y = residual + x @ w                   (residual: the epilogue)
 
 Each program owns `block_n` output columns and loops over the whole contraction in `block_k` chunks, so there
@@ -161,18 +160,10 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
                interpret: bool = False) -> jax.Array:
     """One-launch projection of a few rows: x [..., K] times w [K, N] with the optional fused steps of the
     module docstring. Returns [..., N] (or [..., N / 2] with `swiglu`) in x's dtype. With `transposed`, w is
-    stored as [N, K] (each output column's weights contiguous); the product is the same x @ w.T. With `swiglu`,
-    w may also be the pair (w_gate, w_up) of [K, N / 2] matrices (the draft head's unfused weights), read in
-    place as the two halves of the fused one.
+    stored as [N, K] (each output column's weights contiguous); the product is the same x @ w.T.
 
     `block_n` / `block_k` are caps: the launch uses the largest powers of two within them that divide the
     output columns and K."""
-    pair = isinstance(w, (tuple, list))
-    if pair:
-        if not swiglu or transposed or len(w) != 2 or w[0].shape != w[1].shape or w[0].ndim != 2:
-            raise ValueError(f"w is a sequence of {len(w)} arrays of shapes {[tuple(a.shape) for a in w]}; accepted: "
-                             f"the pair (w_gate, w_up) of equal [K, N] shapes, with swiglu=True and transposed=False")
-        halves, w = w, jax.ShapeDtypeStruct((w[0].shape[0], 2 * w[0].shape[1]), w[0].dtype)
     if not supports(x.shape, w.shape, swiglu=swiglu, transposed=transposed):
         raise ValueError(f"fused_gemv got x {tuple(x.shape)} and w {tuple(w.shape)}; accepted: x [..., K] with at "
                          f"most {MAX_ROWS} rows or {' or '.join(map(str, TILE_ROWS))}, "
@@ -194,12 +185,12 @@ def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
     bn, bk = dividing_chunk(n, "output columns", block_n), dividing_chunk(K, "K", block_k)
     nb = n // bn
     x2 = x.reshape(m, K)
-    args = [x2] + (list(halves) if pair else [w] + ([w] if swiglu else []))
+    args = [x2, w] + ([w] if swiglu else [])
     if transposed:
         w_spec = lambda off: pl.BlockSpec((bn, K), lambda j: (j + off, 0))  # noqa: E731
     else:
         w_spec = lambda off: pl.BlockSpec((K, bn), lambda j: (0, j + off))  # noqa: E731
-    specs = [pl.BlockSpec((m, K), lambda j: (0, 0)), w_spec(0)] + ([w_spec(0 if pair else nb)] if swiglu else [])
+    specs = [pl.BlockSpec((m, K), lambda j: (0, 0)), w_spec(0)] + ([w_spec(nb)] if swiglu else [])
     if norm is not None:
         args.append(norm)
         specs.append(pl.BlockSpec((K,), lambda j: (0,)))
@@ -225,17 +216,5 @@ PROJECTIONS = {
     "w_down": dict(block_n=64, block_k=512, num_warps=4, num_stages=4),
 }
 
-# The EAGLE-3 head's projections (`ssv_jax.draft`: wo and w_down with the residual add, gate/up with the post-norm
-# and SwiGLU, lm_head with the final norm). On the bundled head they are 4-7 rows against K = 256..512 and
-# N = 512..2048, a few hundred KB of weights each: launch-bound, so the configs only spread the columns over
-# enough programs (not tuned).
-DRAFT_PROJECTIONS = {
-    "wo": dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
-    "w_gu": dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
-    "w_down": dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
-    "lm_head": dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
-}
-
 fused_gemv.supports = supports
 fused_gemv.projections = PROJECTIONS
-fused_gemv.draft_projections = DRAFT_PROJECTIONS

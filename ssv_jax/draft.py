@@ -344,48 +344,24 @@ def draft_attention(q, k, v, length, positions, window: int | None = None, extra
     return _attend(q, [(k, v, mask)] + list(extra))
 
 
-def _gemv_serves(gemv, x: jax.Array, w_shape: tuple, swiglu: bool = False) -> bool:
-    """Whether the projection kernel `gemv` (see `draft_extend`) takes x [.., K] @ w [K, N] in one launch."""
-    return gemv is not None and getattr(gemv, "func", gemv).supports(x.shape, w_shape, swiglu=swiglu)
-
-
-def _project(gemv, name: str, x, w, **kw):
-    """`gemv(x, w, ...)` with the kernel's launch config for the head's weight `name`."""
-    return gemv(x, w, **getattr(gemv, "func", gemv).draft_projections.get(name, {}), **kw)
-
-
-def _finish(params, dcfg: DraftConfig, h, attn, gemv=None):
-    wo, wg, wd = params["wo"], params["w_gate"], params["w_down"]
-    if _gemv_serves(gemv, attn, wo.shape) and _gemv_serves(gemv, h, (wg.shape[0], 2 * wg.shape[1]), swiglu=True):
-        # three launches: residual + attn @ wo; post-norm, gate/up and SwiGLU; residual + a @ w_down
-        h = _project(gemv, "wo", attn, wo, residual=h)
-        a = _project(gemv, "w_gu", h, (wg, params["w_up"]), norm=params["post_norm"], eps=dcfg.norm_eps,
-                     swiglu=True)
-        return _project(gemv, "w_down", a, wd, residual=h)
-    h = h + attn @ wo
+def _finish(params, dcfg: DraftConfig, h, attn):
+    h = h + attn @ params["wo"]
     x = _rms(h, params["post_norm"], dcfg.norm_eps)
-    h = h + (jax.nn.silu(x @ wg) * (x @ params["w_up"])) @ wd
+    h = h + (jax.nn.silu(x @ params["w_gate"]) * (x @ params["w_up"])) @ params["w_down"]
     return h
 
 
-def draft_logits(params: dict, dcfg: DraftConfig, hidden: jax.Array, gemv=None) -> jax.Array:
-    """Draft-vocabulary logits [.., Vd] (fp32) of pre-norm head outputs `hidden` [.., H]. `gemv`: the projection
-    kernel (see `draft_extend`), which takes the norm and the product in one launch where it serves the shape."""
-    if _gemv_serves(gemv, hidden, params["lm_head"].shape):
-        y = _project(gemv, "lm_head", hidden, params["lm_head"], norm=params["norm"], eps=dcfg.norm_eps)
-        return y.astype(jnp.float32)
+def draft_logits(params: dict, dcfg: DraftConfig, hidden: jax.Array) -> jax.Array:
+    """Draft-vocabulary logits [.., Vd] (fp32) of pre-norm head outputs `hidden` [.., H]."""
     return (_rms(hidden, params["norm"], dcfg.norm_eps) @ params["lm_head"]).astype(jnp.float32)
 
 
 def draft_extend(params: dict, dcfg: DraftConfig, embed: jax.Array | None, feats: jax.Array,
                  next_tokens: jax.Array, positions: jax.Array, valid: jax.Array, cache: DraftCache, *,
-                 attention=None, gemv=None):
+                 attention=None):
     """Run the head on A entries and commit the valid ones into its cache (prefill, and committing accepted
     tokens after verification). `attention`: the attention primitive (default the reference `draft_attention`;
-    the GPU rounds pass `pallas_kernels.draft_attention`, same contract). `gemv`: a projection kernel with
-    `pallas_kernels.fused_gemv`'s contract (a callable, or a `functools.partial` of one, with `supports` and
-    `draft_projections` attributes) for wo, the MLP and lm_head with their norms and residuals fused, where it
-    serves the shapes (a few rows); None (default) is the XLA path. Same math, rounded the same way.
+    the GPU rounds pass `pallas_kernels.draft_attention`, same contract).
 
     Args:
       params, dcfg: the head; `embed` [V, H] the target's embedding (ignored when the head has its own).
@@ -414,8 +390,8 @@ def draft_extend(params: dict, dcfg: DraftConfig, embed: jax.Array | None, feats
     cv = cache.v.at[bidx, slot].set(v.astype(cache.v.dtype), mode="drop")
     new_len = jnp.maximum(cache.length, jnp.max(jnp.where(valid, positions + 1, 0), axis=1)).astype(jnp.int32)
     attn = (attention or draft_attention)(q, ck, cv, new_len, positions, dcfg.window)
-    hidden = _finish(params, dcfg, h, attn, gemv)
-    return hidden, draft_logits(params, dcfg, hidden, gemv), DraftCache(ck, cv, new_len)
+    hidden = _finish(params, dcfg, h, attn)
+    return hidden, draft_logits(params, dcfg, hidden), DraftCache(ck, cv, new_len)
 
 
 def draft_tree_step(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hidden: jax.Array,
@@ -447,10 +423,10 @@ def draft_tree_step(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hi
 
 def draft_tree_level(params: dict, dcfg: DraftConfig, embed: jax.Array | None, hidden: jax.Array,
                      tokens: jax.Array, positions: jax.Array, cache: DraftCache, ext_k: jax.Array,
-                     ext_v: jax.Array, ext_mask: jax.Array, slot: int, *, attention=None, gemv=None):
+                     ext_v: jax.Array, ext_mask: jax.Array, slot: int, *, attention=None):
     """`draft_tree_step` as the tree builder runs it: the nodes' own k/v are written into the in-flight buffer
     first, at slots `slot .. slot + M - 1`, so each node sees one in-flight key set (`ext_mask` [B, M, E] must
-    mark its own slot as well as its ancestors'). `attention`, `gemv`: as in `draft_extend`.
+    mark its own slot as well as its ancestors'). `attention`: as in `draft_extend`.
     Returns (hidden_out [B, M, H], logits [B, M, Vd] fp32, ext_k, ext_v) with the nodes' entries written."""
     emb = _embedding(params, embed)[tokens].astype(hidden.dtype)
     q, k, v = _qkv(params, dcfg, emb, hidden, positions)
@@ -458,8 +434,8 @@ def draft_tree_level(params: dict, dcfg: DraftConfig, embed: jax.Array | None, h
     ext_v = jax.lax.dynamic_update_slice_in_dim(ext_v, v.astype(ext_v.dtype), slot, axis=1)
     attn = (attention or draft_attention)(q, cache.k, cache.v, cache.length, positions, dcfg.window,
                                           [(ext_k, ext_v, ext_mask)])
-    out = _finish(params, dcfg, hidden, attn, gemv)
-    return out, draft_logits(params, dcfg, out, gemv), ext_k, ext_v
+    out = _finish(params, dcfg, hidden, attn)
+    return out, draft_logits(params, dcfg, out), ext_k, ext_v
 
 
 # -- the NNX module --------------------------------------------------------------------------------------------

@@ -94,16 +94,6 @@ def draft_attention_for(mesh=None):
     return draft_attention
 
 
-def draft_gemv_for(mesh=None):
-    """The draft head's projection kernel in the rounds: `pallas_kernels.fused_gemv` (wo, the MLP and lm_head with
-    their norms and residuals, one launch each where XLA takes two or three) on one GPU; None (XLA) on the CPU and
-    on a mesh, as `draft_attention_for`."""
-    if _on_cpu() or mesh is not None:
-        return None
-    from pallas_kernels.gemv import fused_gemv
-    return fused_gemv
-
-
 def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState, key, eos, max_new: int,
               phase: str = "all", mesh=None):
     """One draft -> verify -> accept -> commit round (traced; call inside jit). `phase` is "all" in generation;
@@ -112,9 +102,9 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     spec = policy.tree
     embed = m.params["embed"]
     T = st.tcache.length
-    draft_attn, draft_gemv = draft_attention_for(mesh), draft_gemv_for(mesh)
+    draft_attn = draft_attention_for(mesh)
     tree = tr.build_tree(m.draft_params, dcfg, embed, st.root_hidden, st.root_token, T, st.dcache, spec,
-                         select=draft_select(dcfg.draft_vocab, mesh), attention=draft_attn, gemv=draft_gemv)
+                         select=draft_select(dcfg.draft_vocab, mesh), attention=draft_attn)
     if policy.order != "bfs":
         tree = tr.permute_tree(tree, *tr.flatten_order(tree, policy.order))
     if phase == "draft":
@@ -135,7 +125,7 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     node_idx, new_tokens, positions, valid = acc.accepted_inputs(tree, path, n_acc, bonus)
     f = jnp.take_along_axis(feats, node_idx[..., None], axis=1)
     hidden, _, dcache = dr.draft_extend(m.draft_params, dcfg, embed, f, new_tokens, positions, valid, st.dcache,
-                                        attention=draft_attn, gemv=draft_gemv)
+                                        attention=draft_attn)
     bidx = jnp.arange(T.shape[0])
     # emit the accepted drafts and the bonus, stopping after EOS and at max_new
     A = new_tokens.shape[1]

@@ -259,7 +259,7 @@ class _HeadState(NamedTuple):
 
 def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hidden: jax.Array,
                root_token: jax.Array, root_pos: jax.Array, cache: DraftCache, spec: TreeSpec, select=None,
-               attention=None, gemv=None) -> Tree:
+               attention=None) -> Tree:
     """Draft a tree with the EAGLE-3 head (see the module docstring for the algorithm).
 
     Args:
@@ -268,7 +268,7 @@ def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hi
       root_token: [B] target id of the root (the last sampled token); root_pos: [B] its target position T.
       cache: the head cache with slots 0..T-1 committed (`cache.length == root_pos`).
       select: the top-k primitive over the draft vocabulary (see `build_tree_with`).
-      attention, gemv: the head's attention primitive and projection kernel (see `draft.draft_extend`).
+      attention: the head's attention primitive (see `draft.draft_extend`).
     A node at depth k runs the head at head position T + k - 1, attending to the committed cache and its
     in-tree ancestors. Returns a `Tree` with N = spec.budget nodes (bfs order); nothing is committed.
     """
@@ -289,8 +289,8 @@ def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hi
         own = jax.nn.one_hot(off + jnp.arange(K), slots, dtype=jnp.bool_)[None]  # each node sees itself
         mask = jnp.pad(anc, ((0, 0), (0, 0), (0, slots - E))) | own
         out, logits, ek, ev = draft_tree_level(params, dcfg, embed, h_in, tokens, pos, cache, st.ext_k, st.ext_v,
-                                               mask, off, attention=attention, gemv=gemv)
+                                               mask, off, attention=attention)
         return _HeadState(out, ek, ev), jax.nn.log_softmax(logits, axis=-1)
 
-    root_logp = jax.nn.log_softmax(draft_logits(params, dcfg, root_hidden, gemv), axis=-1)
+    root_logp = jax.nn.log_softmax(draft_logits(params, dcfg, root_hidden), axis=-1)
     return build_tree_with(step, state, root_logp, root_token, root_pos, spec, d2t=params["d2t"], select=select)

@@ -118,27 +118,3 @@ def test_the_decode_projections_lower_for_cuda_in_one_launch(name):
     assert text.count(TRITON) == 1 and "fused_gemv" in text
     for op in ("stablehlo.dot", "stablehlo.add", "stablehlo.reduce", "stablehlo.logistic"):
         assert op not in text, op
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_swiglu_over_the_pair_of_unfused_weights_equals_the_fused_matrix(dtype):
-    """With `w = (w_gate, w_up)` the kernel reads the two matrices in place: the same output as their fused
-    [gate | up] matrix, for a fresh random row count."""
-    rows = int(np.random.default_rng().integers(1, 17))
-    x, w, nw, _ = _inputs(rows, 64, 64, dtype, int(np.random.default_rng().integers(1 << 30)))
-    run = lambda w: fused_gemv(x, w, norm=nw, eps=EPS, swiglu=True, block_n=16, block_k=32,  # noqa: E731
-                               interpret=True)
-    with poison_outputs():
-        pair = run((w[:, :32], w[:, 32:]))
-    np.testing.assert_array_equal(np.asarray(pair, np.float32), np.asarray(run(w), np.float32))
-
-
-@pytest.mark.parametrize("kw, needle", [
-    (dict(swiglu=False), "swiglu=True"),
-    (dict(swiglu=True, transposed=True), "transposed=False"),
-    (dict(swiglu=True, w=(jnp.zeros((64, 32)), jnp.zeros((64, 16)))), "equal [K, N] shapes"),
-])
-def test_a_bad_weight_pair_is_rejected_naming_it(kw, needle):
-    w = kw.pop("w", (jnp.zeros((64, 32)), jnp.zeros((64, 32))))
-    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
-        fused_gemv(jnp.zeros((2, 64)), w, interpret=True, **kw)

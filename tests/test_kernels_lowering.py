@@ -170,36 +170,6 @@ def test_a_drafting_step_lowers_for_cuda_in_one_launch_reading_the_cache_in_plac
     assert "dynamic_slice" not in text
 
 
-def test_drafting_a_tree_with_the_projection_kernel_is_five_launches_per_level():
-    """As the GPU rounds draft (tree 4, 6, 32 at the bundled head's shapes, `speculative.draft_gemv_for`): each of
-    the five drafting steps is the attention launch plus `fused_gemv` for wo, gate/up and w_down, and lm_head,
-    the root's logits one more `fused_gemv`; XLA keeps the q/k/v products, with no norm of its
-    own for the MLP or the logits."""
-    from pallas_kernels import fused_gemv
-    from pallas_kernels.draft_attention import draft_attention
-    from ssv_jax import draft as dr
-    from ssv_jax.tree import TreeSpec, build_tree
-
-    dcfg = dr.DraftConfig(hidden=512, n_heads=4, n_kv_heads=2, head_dim=64, ffn=256, draft_vocab=2048,
-                          target_vocab=8192, feature_layers=(2, 4, 5), max_seq_len=16896, window=4096)
-    params = jax.tree.map(lambda x: sds(x.shape, x.dtype), jax.eval_shape(
-        lambda: dr.init_draft_params(dcfg, jax.random.key(0), jnp.bfloat16)))
-    kv = sds((1, 16896, 2, 64))
-    cache = dr.DraftCache(kv, kv, sds((1,), jnp.int32))
-
-    def draft(params, embed, hidden, token, pos, cache):
-        return build_tree(params, dcfg, embed, hidden, token, pos, cache, TreeSpec(top_k=4, depth=6, budget=32),
-                          attention=draft_attention, gemv=fused_gemv)
-
-    text = lower_for_cuda(draft, params, sds((8192, 512)), sds((1, 512)), sds((1,), jnp.int32),
-                          sds((1,), jnp.int32), cache)
-    assert text.count(TRITON) == 5 * 5 + 1
-    assert text.count('name = "fused_gemv"') == 5 * 4 + 1 and text.count('name = "draft_attention"') == 5
-    bf16_dots = [x for x in text.splitlines() if "stablehlo.dot_general" in x and "bf16" in x]
-    assert len(bf16_dots) == 3 * 5  # the q, k and v products (XLA's dot merger makes them one GEMM)
-    assert text.count("stablehlo.rsqrt") == 2 * 5  # the q/k/v input's two norms a step; the others are in kernels
-
-
 def test_drafting_a_tree_is_one_attention_launch_per_level():
     """`build_tree` with the kernel as the head's attention, at the bundled head's shapes (tree 4, 6, 32): the five
     drafting steps after the root are five Triton launches, and the head cache is never sliced."""
