@@ -289,15 +289,17 @@ def routing_share(kern: dict):
 
 
 def planner_gain(data: dict):
-    """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context; the main run and,
-    when present, `planner_same_class_run` (the planner choosing within the fixed policy's precision class) or
-    `planner_rerun` (a later run of the planner, at its `code`)."""
+    """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context; the main run and
+    each extra run present: `planner_same_class_run` (the planner choosing within the fixed policy's precision
+    class), `planner_rerun` (a later run of the planner) and `planner_bf16_profile` (the planner on a later
+    profile), labelled with their `code`."""
     runs = [("planner, class 'exact'" if "planner_same_class_run" in data else "planner", data["rows"])]
-    if "planner_same_class_run" in data:
-        runs.append(("planner, the fixed policy's class", data["planner_same_class_run"]["rows"]))
-    if "planner_rerun" in data:
-        runs.append((f"planner re-run ({data['planner_rerun'].get('code', 'later code')})",
-                     data["planner_rerun"]["rows"]))
+    extra = {"planner_same_class_run": "planner, the fixed policy's class", "planner_rerun": "planner re-run",
+             "planner_bf16_profile": "planner, bf16 profile"}
+    for key, label in extra.items():
+        if key in data:
+            code = str(data[key].get("code", "")).split(" ")[0]
+            runs.append((f"{label} ({code})" if code else label, data[key]["rows"]))
     ctx = sorted({r["context"] for _, rows in runs for r in rows})
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for j, (label, rows) in enumerate(runs):  # side by side within each context
