@@ -20,18 +20,25 @@ def _script(name):
 
 
 def test_profile_policies_averages_every_context_of_a_bucket(tmp_path):
-    """Two contexts in the same bucket ("8K"): each policy's row covers both (one prompt each), ranked best first."""
+    """Two contexts in the same bucket ("8K"): each policy's row covers both (one prompt each, the median of two
+    timed runs), ranked best first."""
     out = tmp_path / "prof.json"
     _script("profile_policies").main(["--random-preset", "tiny", "--contexts", "160", "200", "--prompts", "1",
                                       "--new-tokens", "6", "--trees", "2,2,4", "--schedules", "1", "2",
-                                      "--out", str(out)])
+                                      "--reps", "2", "--out", str(out)])
     prof = load_profile(str(out))
+    assert prof["reps"] == 2
     assert list(prof["buckets"]) == ["8K"]
     rows = prof["buckets"]["8K"]
     assert len(rows) == 2 and all(r["runs"] == 2 for r in rows)
     assert {r["policy"]["schedule"] for r in rows} == {1, 2}
     assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"]
     assert [p["context"] for p in prof["prompts"]] == [160, 200]
+
+
+def test_profile_policies_rejects_zero_reps(tmp_path):
+    with pytest.raises(SystemExit):
+        _script("profile_policies").main(["--random-preset", "tiny", "--reps", "0", "--out", str(tmp_path / "p.json")])
 
 
 def test_schedule_decode_bench_reports_each_period_against_the_plain_loop(tmp_path):
