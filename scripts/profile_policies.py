@@ -6,8 +6,8 @@ write the versioned ranking JSON that `policy="auto"` reads (DESIGN.md, "Planner
     python scripts/profile_policies.py --random-preset tiny --contexts 256 --new-tokens 24 --out /tmp/prof.json
 
 Each policy runs once per prompt to compile, then `--reps` times timed; the median run counts (a single timed run
-once ran hundreds of times slower on the H200, docs/results/policy_profile.json). tokens/s counts the emitted tokens over the
-decode time (prefill excluded); round_ms is the decode time per round.
+once ran hundreds of times slower on the H200, docs/results/policy_profile.json). tokens/s counts the emitted
+tokens over the decode time (prefill excluded); round_ms is the decode time per round.
 """
 
 from __future__ import annotations
