@@ -10,6 +10,11 @@ round does not depend on the cache's values, only on T, so no 64K prefill is nee
   attention time of one round summed over layers (per-layer refresh and reuse attention timed N times inside one
   jit over rotated inputs, then n_R * t_R + n_U * t_U).
 
+Verify rows: one per (tree in `--trees`, refresh period in `--verify-schedules`, context, backend); P=1 runs in the
+precision class "exact", P>1 in "strict". `--draft-vocab 32000` gives the head the draft vocabulary of the published
+EAGLE-3 heads for LLaMA-3.1-8B (SpecForge's llama3-8B-eagle3.json: 32,000 of the 128,256 ids); the default is the
+target's whole vocabulary. `--no-split` times only the whole rounds (one compile per row instead of three).
+
 Tensor parallelism (issue #9): `--mesh-sizes 1 2 --contexts 65536 131072 --backends kernel --skip-schedule` times
 the rounds on one device and on a 2-device "tp" mesh (target params and caches split over KV heads, the draft
 replicated; set NCCL_NVLS_ENABLE=0); each row records its `devices`.
@@ -19,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
+from tqdm.auto import tqdm
 
 from ssv_jax import cache as kvc
 from ssv_jax import draft as dr
@@ -35,6 +43,7 @@ from ssv_jax.config import get_config
 from ssv_jax.policy import SSVPolicy, attention_for
 from ssv_jax.speculative import RoundState, SSVModel, _ssv_chunk, ssv_round
 from ssv_jax.timing import chunk_ms_per_round, host_time, op_summary, traced_gpu_ops
+from ssv_jax.tree import TreeSpec
 
 
 def round_state(tc, dc, hidden: int):
@@ -63,6 +72,13 @@ def main(argv=None):
     ap.add_argument("--mesh-sizes", type=int, nargs="+", default=[1],
                     help="tensor-parallel degrees for the verify rounds (1: one device; n: a 'tp' mesh of n devices)")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--trees", default="8,6,64", help="verify rows' trees: top_k,depth,budget triples separated by ;")
+    ap.add_argument("--verify-schedules", type=int, nargs="+", default=[1],
+                    help="verify rows' refresh periods (1: every layer refreshes, class exact; P>1: class strict)")
+    ap.add_argument("--order", default="bfs", choices=["bfs", "dfs"], help="verify rows' tree flattening order")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="the head's draft vocabulary (default: the target's; 32000 is EAGLE-3's LLaMA-3.1-8B head)")
+    ap.add_argument("--no-split", action="store_true", help="verify rows: only whole rounds, no draft/verify split")
     ap.add_argument("--compile-threads", type=int, default=12, help="verify forwards compiled at once")
     ap.add_argument("--trace-dir", default=None,
                     help="also trace 3 draft and 3 draft+verify calls per verify row and record each GPU's busy "
@@ -70,9 +86,18 @@ def main(argv=None):
     ap.add_argument("--out-verify", default="docs/results/verify_8b_h200.json")
     ap.add_argument("--out-schedule", default="docs/results/schedule_8b_h200.json")
     a = ap.parse_args(argv)
+    try:
+        trees = [dict(top_k=t.top_k, depth=t.depth, budget=t.budget) for t in TreeSpec.parse_list(a.trees)]
+    except ValueError as e:
+        ap.error(f"--trees: {e}")
+    if min(a.verify_schedules) < 1:
+        ap.error(f"--verify-schedules {a.verify_schedules} is invalid; accepted: integers >= 1")
 
     cfg = get_config(a.preset)
-    dcfg = dr.DraftConfig.for_target(cfg)
+    try:
+        dcfg = dr.DraftConfig.for_target(cfg, draft_vocab=a.draft_vocab)
+    except ValueError as e:
+        ap.error(f"--draft-vocab: {e}")
     dev = jax.devices()[0]
     interpret = jax.default_backend() == "cpu"
     init = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))
@@ -95,8 +120,20 @@ def main(argv=None):
     rows = []
     cap = kvc.cache_capacity(cfg, max(a.contexts) + 4096)  # one shape for every T: one compile per backend
     prm, prm_dev = None, None
-    points = [] if a.skip_verify else [(n, T, b) for n in a.mesh_sizes for T in a.contexts for b in a.backends]
-    for n_dev, T, backend in points:
+    @functools.cache
+    def stage_fns(pol, mesh):
+        """The draft-only and draft+verify programs of one policy: one compile each, shared by the contexts
+        (one cache shape). Parameters travel as arguments: a closure would embed 16 GB of weights as constants."""
+        eos = jnp.int32(-2)
+        f_draft = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s, jax.random.key(0),
+                                                     eos, 4000, phase="draft", mesh=mesh).tokens)
+        f_verify = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s,
+                                                      jax.random.key(0), eos, 4000, phase="verify", mesh=mesh))
+        return f_draft, f_verify
+
+    points = [] if a.skip_verify else [(n, tree, P, T, b) for n in a.mesh_sizes for tree in trees
+                                       for P in a.verify_schedules for T in a.contexts for b in a.backends]
+    for n_dev, tree, P, T, backend in tqdm(points, desc="verify rounds", unit="row"):
         mesh = meshes[n_dev]
         if prm_dev != n_dev:
             prm = None  # free the previous layout first
@@ -104,7 +141,8 @@ def main(argv=None):
         st = None  # the previous context's caches go before these are made
         tc = kvc.random_cache(cfg, 1, cap, T, jax.random.key(2))
         dc = random_draft_cache(dcfg, T, cap, jax.random.key(3))
-        pol = SSVPolicy(**tree64, backend=backend, group_size=4)
+        pol = SSVPolicy(**tree, order=a.order, backend=backend, group_size=4, schedule=P,
+                        precision="exact" if P == 1 else "strict")
         st = round_state(tc, dc, cfg.hidden)
         dprm = dparams
         if mesh is not None:  # tensor parallel: target params and cache over KV heads, the draft replicated
@@ -112,27 +150,26 @@ def main(argv=None):
             dprm = sharding.replicate(dparams, mesh)
         del tc, dc
         eos = jnp.int32(-2)
-        # parameters travel as arguments: a closure would embed 16 GB of weights as compile-time constants
-        f_draft = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s, jax.random.key(0),
-                                                     eos, 4000, phase="draft", mesh=mesh).tokens)
-        f_verify = jax.jit(lambda p, dp, s: ssv_round(SSVModel(cfg, p, dcfg, dp), pol, 0.0, s,
-                                                      jax.random.key(0), eos, 4000, phase="verify", mesh=mesh))
-        t_draft = host_time(f_draft, prm, dprm, st)
-        t_dv = host_time(f_verify, prm, dprm, st)
+        f_draft, f_verify = stage_fns(pol, mesh)
         # whole rounds: a chunk of `rounds` rounds in one while_loop, per round (one state copy alive at a time:
         # 128K caches are large)
         t_round = chunk_ms_per_round(
             lambda s: _ssv_chunk(prm, dprm, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg, policy=pol,
                                  temperature=0.0, rounds=a.rounds, max_new=4000, mesh=mesh), st, reps=3)
-        row = dict(context=T, backend=backend, devices=n_dev, tree=tree64, round_ms=t_round, draft_ms=t_draft,
-                   verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv)
+        row = dict(context=T, backend=backend, devices=n_dev, tree=tree, schedule=P, order=a.order,
+                   draft_vocab=dcfg.draft_vocab, round_ms=t_round)
+        if not a.no_split:
+            t_draft = host_time(f_draft, prm, dprm, st)
+            t_dv = host_time(f_verify, prm, dprm, st)
+            row.update(draft_ms=t_draft, verify_ms=t_dv - t_draft, accept_commit_ms=t_round - t_dv)
         if a.trace_dir:
+            tag = f"{pol.top_k}-{pol.depth}-{pol.budget}_P{P}_V{dcfg.draft_vocab}"
             traced = {}
             for part, fn in (("draft", f_draft), ("draft_verify", f_verify)):
                 traced[part] = traced_gpu_ops(lambda fn=fn: [fn(prm, dprm, st) for _ in range(3)],
-                                              os.path.join(a.trace_dir, f"{n_dev}dev_{T}_{backend}_{part}"))
+                                              os.path.join(a.trace_dir, f"{n_dev}dev_{T}_{backend}_{tag}_{part}"))
                 row[f"traced_{part}_us_per_call"] = op_summary(traced[part], 3)
-            with open(os.path.join(a.trace_dir, f"hlo_verify_{n_dev}dev_{T}_{backend}.txt"), "w") as f:
+            with open(os.path.join(a.trace_dir, f"hlo_verify_{n_dev}dev_{T}_{backend}_{tag}.txt"), "w") as f:
                 f.write(f_verify.lower(prm, dprm, st).compile().as_text())
             gpu0 = traced["draft_verify"][min(traced["draft_verify"])]
             top = sorted(gpu0.items(), key=lambda kv: -kv[1][0])[:40]
@@ -140,11 +177,12 @@ def main(argv=None):
                                                        for n, (us, c) in top}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if points:
-        verify = dict(benchmark="ssv_verify_round", **meta, rows=rows,
-                      timing="draft and draft+verify: median host wall clock of 10 synchronised jitted calls after "
-                             "warm-up; round: a jitted while_loop of `rounds` rounds, per round, median of 3; "
-                             "verify = (draft+verify) - draft, accept_commit = round - (draft+verify)",
+        verify = dict(benchmark="ssv_verify_round", **meta, rows=rows,  # written after every row: a cut-off run
+                      command="python scripts/bench_verify.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      timing="round: a jitted while_loop of `rounds` rounds, per round, median of 3; draft and "
+                             "draft+verify (unless --no-split): median host wall clock of 10 synchronised jitted "
+                             "calls after warm-up; verify = (draft+verify) - draft, accept_commit = round - "
+                             "(draft+verify)",
                       weights="random bf16 target and draft head; random committed caches")
         with open(a.out_verify, "w") as f:
             json.dump(verify, f, indent=2)

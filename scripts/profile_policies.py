@@ -24,6 +24,7 @@ from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
 from ssv_jax.planner import bucket_of, save_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import ssv_generate
+from ssv_jax.tree import TreeSpec
 
 
 def candidate_policies(trees, orders, modes, group_sizes, schedules, backend) -> list[SSVPolicy]:
@@ -65,7 +66,10 @@ def main(argv=None):
 
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
                                                  dtype=a.dtype))
-    trees = [tuple(int(x) for x in t.split(",")) for t in a.trees.split(";")]
+    try:
+        trees = [(t.top_k, t.depth, t.budget) for t in TreeSpec.parse_list(a.trees)]
+    except ValueError as e:
+        ap.error(f"--trees: {e}")
     cands = candidate_policies(trees, a.orders, a.modes, a.group_sizes, a.schedules, a.backend)
     per_bucket, used = {}, []  # per_bucket: bucket -> policy index -> measurements over its contexts
     for ctx in a.contexts:

@@ -61,6 +61,18 @@ class TreeSpec:
         """The largest valid budget (root + every candidate)."""
         return 1 + self.n_candidates
 
+    @classmethod
+    def parse_list(cls, spec: str) -> list["TreeSpec"]:
+        """Trees from the command-line form "top_k,depth,budget;top_k,depth,budget;..." (e.g. "4,6,32;8,6,64")."""
+        out = []
+        for part in spec.split(";"):
+            fields = part.split(",")
+            if len(fields) != 3 or not all(f.strip().lstrip("-").isdigit() for f in fields):
+                raise ValueError(f"tree {part!r} in {spec!r} is invalid; accepted: three integers "
+                                 "'top_k,depth,budget', trees separated by ';'")
+            out.append(cls(*(int(f) for f in fields)))
+        return out
+
 
 class Tree(NamedTuple):
     """A batch of trees with N nodes each (node 0 = root; parents precede children).
