@@ -33,6 +33,11 @@ MAX_ROWS = 16  # rows of the padded dot operand: the rows a launch handles one b
 TILE_ROWS = (32,)  # further row counts, loaded and normalised as one [M, block_k] tile (measured: 32)
 NORM_CHUNK = 4096  # columns of x per load of the RMSNorm pass (one row at a time)
 NORM_TILE = 8192  # elements of x per load of the tiled RMSNorm pass
+# The largest weight (K x N elements) whose tile-of-rows product the model routes here. Measured with 32 rows
+# (`tune_gemv.py --rows 32`, docs/results/gemv_h200.json `verify_rows_32`): on the bundled model's <= 0.72M-element
+# weights the kernel beats XLA's fusions (7.6-8.7 against 11.8-13.0 us: launch-bound), on the 8B shape's >= 16.8M
+# XLA's GEMMs beat it (11.6 / 58.7 / 32.4 against 14.3 / 72.3 / 39.7 us for wo / gate-up / w_down).
+TILE_MAX_WEIGHT = 1 << 22
 
 
 def _rows(x_ref, m: int, k0, bk: int):
@@ -154,6 +159,14 @@ def supports(x_shape, w_shape, *, swiglu: bool = False, transposed: bool = False
     return x_shape[-1] == K and K % 16 == 0 and n % 16 == 0 and (not swiglu or N % 2 == 0)
 
 
+def serves(x_shape, w_shape, *, swiglu: bool = False, transposed: bool = False) -> bool:
+    """Where the model routes a projection here: `supports`, and a tile of rows only for a weight of at most
+    `TILE_MAX_WEIGHT` elements (above it XLA's GEMM is faster)."""
+    if not supports(x_shape, w_shape, swiglu=swiglu, transposed=transposed):
+        return False
+    return math.prod(x_shape[:-1]) <= MAX_ROWS or math.prod(w_shape) <= TILE_MAX_WEIGHT
+
+
 def fused_gemv(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 1e-5,
                residual: jax.Array | None = None, swiglu: bool = False, block_n: int = 32, block_k: int = 256,
                dot: bool = True, num_warps: int = 4, num_stages: int = 3, transposed: bool = False,
@@ -217,4 +230,5 @@ PROJECTIONS = {
 }
 
 fused_gemv.supports = supports
+fused_gemv.serves = serves
 fused_gemv.projections = PROJECTIONS

@@ -13,7 +13,8 @@ round does not depend on the cache's values, only on T, so no 64K prefill is nee
 Verify rows: one per (tree in `--trees`, refresh period in `--verify-schedules`, context, backend); P=1 runs in the
 precision class "exact", P>1 in "strict". `--draft-vocab 32000` gives the head the draft vocabulary of the published
 EAGLE-3 heads for LLaMA-3.1-8B (SpecForge's llama3-8B-eagle3.json: 32,000 of the 128,256 ids); the default is the
-target's whole vocabulary. `--no-split` times only the whole rounds (one compile per row instead of three).
+target's whole vocabulary. `--draft-window 4096` has the head attend its last 4096 slots, as the bundled head
+does. `--no-split` times only the whole rounds (one compile per row instead of three).
 
 Tensor parallelism (issue #9): `--mesh-sizes 1 2 --contexts 65536 131072 --backends kernel --skip-schedule` times
 the rounds on one device and on a 2-device "tp" mesh (target params and caches split over KV heads, the draft
@@ -78,6 +79,8 @@ def main(argv=None):
     ap.add_argument("--order", default="bfs", choices=["bfs", "dfs"], help="verify rows' tree flattening order")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="the head's draft vocabulary (default: the target's; 32000 is EAGLE-3's LLaMA-3.1-8B head)")
+    ap.add_argument("--draft-window", type=int, default=None,
+                    help="the head attends the last W committed slots (default: all; the bundled head uses 4096)")
     ap.add_argument("--no-split", action="store_true", help="verify rows: only whole rounds, no draft/verify split")
     ap.add_argument("--compile-threads", type=int, default=12, help="verify forwards compiled at once")
     ap.add_argument("--trace-dir", default=None,
@@ -95,9 +98,9 @@ def main(argv=None):
 
     cfg = get_config(a.preset)
     try:
-        dcfg = dr.DraftConfig.for_target(cfg, draft_vocab=a.draft_vocab)
+        dcfg = dr.DraftConfig.for_target(cfg, draft_vocab=a.draft_vocab, window=a.draft_window)
     except ValueError as e:
-        ap.error(f"--draft-vocab: {e}")
+        ap.error(f"--draft-vocab / --draft-window: {e}")
     dev = jax.devices()[0]
     interpret = jax.default_backend() == "cpu"
     init = jax.jit(lambda k: M.init_params(cfg, k, jnp.bfloat16))
@@ -157,7 +160,7 @@ def main(argv=None):
             lambda s: _ssv_chunk(prm, dprm, s, jax.random.key(0), eos, cfg=cfg, dcfg=dcfg, policy=pol,
                                  temperature=0.0, rounds=a.rounds, max_new=4000, mesh=mesh), st, reps=3)
         row = dict(context=T, backend=backend, devices=n_dev, tree=tree, schedule=P, order=a.order,
-                   draft_vocab=dcfg.draft_vocab, round_ms=t_round)
+                   draft_vocab=dcfg.draft_vocab, draft_window=dcfg.window, round_ms=t_round)
         if not a.no_split:
             t_draft = host_time(f_draft, prm, dprm, st)
             t_dv = host_time(f_verify, prm, dprm, st)

@@ -3,12 +3,14 @@
     python scripts/implied_8b.py --out docs/results/e2e_8b_implied.json
 
 No 8B NSA model is trained here, so its end-to-end speed cannot be measured: this combines three measurements
-(issue #8 asks for it, labelled as such). Per context T:
-- the H200 cost of one 64-node SSV round on random 8B weights (`verify_8b_h200.json`, and the one-GPU rows of
+(issue #8 asks for it, labelled as such). For each configuration (tree, refresh period P, draft vocabulary) that
+`bench_verify.py` timed, and each context T:
+- the H200 cost of one SSV round on random 8B weights (`verify_8b_h200.json`, and the one-GPU rows of
   `tp_h200x2.json` for contexts the first lacks);
 - the H200 AR decode step at T (`ar_8b_h200.json`; null where it was not measured);
-- τ of the same tree shape (top-k 8, depth 6, 64 nodes, P=1) on the bundled small model at 8K, from the planner
-  profile (`policy_profile.json`): a trained 8B model would accept differently, so the result is an estimate.
+- τ of the same tree and P on the bundled small model, from the planner profile (`policy_profile.json`, its
+  largest context bucket): a trained 8B model would accept differently, so the result is an estimate.
+  A configuration the profile has no τ for is listed under `no_tau`.
 
 implied SSV tokens/s = τ / round time; implied speedup = that / (1 / AR step time).
 """
@@ -20,7 +22,8 @@ import json
 import os
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results")
-TREE = dict(top_k=8, depth=6, budget=64)
+TREE_KEYS = ("top_k", "depth", "budget")
+TARGET_VOCAB = 128256  # llama31-8b-nsa: rows written before `draft_vocab` was recorded used the whole vocabulary
 
 
 def _load(results, name):
@@ -31,32 +34,54 @@ def _load(results, name):
         return json.load(f)
 
 
+def _config(r) -> tuple:
+    """(top_k, depth, budget, P, draft vocabulary) of a round row or a profile policy."""
+    return tuple(r["tree"][k] for k in TREE_KEYS) + (r.get("schedule", 1), r.get("draft_vocab", TARGET_VOCAB))
+
+
+def _tau(profile: dict, top_k: int, depth: int, budget: int, P: int):
+    """(τ, bucket) of that tree and P in the profile's largest bucket that has it, or None."""
+    found = [(int(b.rstrip("K")), b, r["tau"]) for b, rows in profile["buckets"].items() for r in rows
+             if tuple(r["policy"][k] for k in TREE_KEYS) == (top_k, depth, budget)
+             and (r["policy"].get("schedule") or 1) == P]
+    return None if not found else max(found)[2:0:-1]
+
+
 def implied(results=RESULTS):
     """The implied-speed rows from the committed JSON files in `results`."""
-    rounds = {}  # context -> (round ms, source); verify_8b first, one-GPU TP rows fill the gaps
+    rounds = {}  # config -> context -> (round ms, source); verify_8b first, one-GPU TP rows fill the gaps
     sources = ["verify_8b_h200.json"] + [n for n in ("tp_h200x2.json",) if os.path.exists(os.path.join(results, n))]
     for name in sources:  # the TP file is optional
         for r in _load(results, name)["rows"]:
-            if r["backend"] == "kernel" and r.get("devices", 1) == 1 and r["tree"] == TREE:
-                rounds.setdefault(r["context"], (r["round_ms"], name))
+            if r["backend"] == "kernel" and r.get("devices", 1) == 1:
+                rounds.setdefault(_config(r), {}).setdefault(r["context"], (r["round_ms"], name))
     ar = {d["context"]: d["decode_ms_per_token"] for d in _load(results, "ar_8b_h200.json")["decode"]}
     prof = _load(results, "policy_profile.json")
-    taus = [(b, r["tau"]) for b, rows in prof["buckets"].items() for r in rows
-            if {k: r["policy"][k] for k in TREE} == TREE and r["policy"]["schedule"] == 1]
-    if not taus:
-        raise SystemExit(f"policy_profile.json has no P=1 row for the tree {TREE}; accepted: profile that tree")
-    bucket, tau = max(taus, key=lambda bt: int(bt[0].rstrip("K")))
-    rows = []
-    for T in sorted(rounds):
-        round_ms, src = rounds[T]
-        ssv = tau / round_ms * 1e3
-        ar_ms = ar.get(T)
-        rows.append(dict(context=T, round_ms=round_ms, round_source=src, ar_ms_per_token=ar_ms,
-                         implied_ssv_tokens_per_s=ssv, ar_tokens_per_s=None if ar_ms is None else 1e3 / ar_ms,
-                         implied_speedup=None if ar_ms is None else ssv * ar_ms / 1e3))
+    rows, no_tau = [], []
+    for cfg in sorted(rounds):
+        k, d, n, P, vocab = cfg
+        found = _tau(prof, k, d, n, P)
+        if found is None:
+            no_tau.append(dict(tree=dict(top_k=k, depth=d, budget=n), schedule=P, draft_vocab=vocab))
+            continue
+        tau, bucket = found
+        for T in sorted(rounds[cfg]):
+            round_ms, src = rounds[cfg][T]
+            ssv = tau / round_ms * 1e3
+            ar_ms = ar.get(T)
+            rows.append(dict(tree=dict(top_k=k, depth=d, budget=n), schedule=P, draft_vocab=vocab, context=T,
+                             tau=tau, tau_source=f"policy_profile.json, bucket {bucket}, P={P}", round_ms=round_ms,
+                             round_source=src, ar_ms_per_token=ar_ms, implied_ssv_tokens_per_s=ssv,
+                             ar_tokens_per_s=None if ar_ms is None else 1e3 / ar_ms,
+                             implied_speedup=None if ar_ms is None else ssv * ar_ms / 1e3))
+    if not rows:
+        raise SystemExit("no measured round has a tau in policy_profile.json (same tree and P); accepted: profile "
+                         f"one of {[dict(zip(TREE_KEYS + ('schedule',), c[:4])) for c in sorted(rounds)]}")
+    with_ar = [r for r in rows if r["implied_speedup"] is not None]
+    best = {T: max((r for r in with_ar if r["context"] == T), key=lambda r: r["implied_speedup"])
+            for T in sorted({r["context"] for r in with_ar})}
     return dict(benchmark="e2e_8b_implied", label="IMPLIED, not measured end to end: 8B round costs on random "
-                "weights x tau of the bundled small model", tree=TREE, tau=tau,
-                tau_source=f"policy_profile.json, bucket {bucket}, P=1", rows=rows)
+                "weights x tau of the bundled small model", rows=rows, best_per_context=best, no_tau=no_tau)
 
 
 def main(argv=None):
@@ -67,10 +92,15 @@ def main(argv=None):
     res = implied(a.results)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=2)
-    print(f"{res['label']} (tau {res['tau']:.2f}, {res['tau_source']})")
+    print(res["label"])
     for r in res["rows"]:
+        t = r["tree"]
         sp = "AR not measured" if r["implied_speedup"] is None else f"x{r['implied_speedup']:.2f} vs AR"
-        print(f"{r['context']:7d}  round {r['round_ms']:6.2f} ms  {r['implied_ssv_tokens_per_s']:6.1f} tok/s  {sp}")
+        print(f"tree {t['top_k']},{t['depth']},{t['budget']} P={r['schedule']} Vd={r['draft_vocab']:6d} "
+              f"{r['context']:7d}  tau {r['tau']:.2f}  round {r['round_ms']:6.2f} ms  "
+              f"{r['implied_ssv_tokens_per_s']:6.1f} tok/s  {sp}")
+    for c in res["no_tau"]:
+        print(f"no tau in the profile for {c}")
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ def _kernel_projection(ctx: Ctx, name: str, h, w, swiglu: bool = False) -> dict 
     the RMSNorm before, the SwiGLU or residual add after) when it serves it at these shapes (a decode step's few
     rows), else None: XLA's GEMM and separate fusions."""
     fn = None if ctx.gemv is None else ctx.gemv.func
-    if fn is None or name not in fn.projections or not fn.supports(h.shape, w.shape, swiglu=swiglu):
+    if fn is None or name not in fn.projections or not fn.serves(h.shape, w.shape, swiglu=swiglu):
         return None
     return fn.projections[name]
 
@@ -511,7 +511,7 @@ def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache,
     T = cache.length
     pos = T[:, None] + tree.depth
     ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-              _projection_kernel(attn))  # where the kernel takes the B * N rows (`fused_gemv.supports`)
+              _projection_kernel(attn))  # where the kernel serves the B * N rows (`fused_gemv.serves`)
     completes, cidx, from_cache, cache_pos, node_src = _path_block_plan(cfg, T, tree)
     cmask = tree.mask & completes[:, None, :]
 

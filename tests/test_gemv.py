@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import fused_gemv, poison_outputs
-from pallas_kernels.gemv import PROJECTIONS, TILE_ROWS
+from pallas_kernels.gemv import MAX_ROWS, PROJECTIONS, TILE_MAX_WEIGHT, TILE_ROWS, serves
 from ssv_jax import model as M
 from ssv_jax.config import get_config
 from test_kernels_lowering import TRITON, lower_for_cuda, sds
@@ -93,6 +93,24 @@ def test_fused_gemv_rejects_bad_shapes_naming_them(shapes, needle):
 def test_fused_gemv_rejects_a_residual_of_the_wrong_shape():
     with pytest.raises(ValueError, match="residual"):
         fused_gemv(jnp.zeros((1, 64)), jnp.zeros((64, 32)), residual=jnp.zeros((1, 16)), interpret=True)
+
+
+@pytest.mark.parametrize("rows", TILE_ROWS)
+def test_the_model_routes_a_tile_of_rows_here_only_for_small_weights(rows):
+    """A verified tree's rows take the kernel on the bundled model's projections and XLA's GEMM on the 8B shape's
+    (measured: docs/results/gemv_h200.json); a decode step's rows take the kernel at both. The line is
+    TILE_MAX_WEIGHT elements of weight."""
+    for preset, tiled in (("small", True), ("llama31-8b-nsa", False)):
+        cfg = get_config(preset)
+        for name in ("wo", "w_gu", "w_down"):
+            K, w_shape, steps = _decode_projection(cfg, name)
+            sw = bool(steps.get("swiglu"))
+            assert serves((1, rows, K), w_shape, swiglu=sw) is tiled, (preset, name)
+            assert serves((1, MAX_ROWS, K), w_shape, swiglu=sw), (preset, name)
+    K = 256
+    assert serves((rows, K), (K, TILE_MAX_WEIGHT // K))
+    assert not serves((rows, K), (K, TILE_MAX_WEIGHT // K + 16))
+    assert not serves((rows + 1, K), (K, 64)), "rows outside TILE_ROWS are not supported at all"
 
 
 def _decode_projection(cfg, name: str):

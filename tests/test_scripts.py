@@ -134,35 +134,50 @@ def test_round_split_leaves_the_state_and_matches_generation(tmp_path):
 
 def test_implied_8b_speed_combines_round_cost_ar_step_and_tau(tmp_path):
     """tokens/s = tau / round; speedup = that x AR step; a context without an AR step has no speedup; the TP file's
-    one-device rows fill contexts the verify file lacks, and its 2-device rows are ignored."""
+    one-device rows fill contexts the verify file lacks, and its 2-device rows are ignored. Each (tree, P, draft
+    vocabulary) takes the tau of the same tree and P from the profile's largest bucket; a configuration the profile
+    lacks is listed, not guessed."""
     rng = np.random.default_rng()
-    tree = dict(top_k=8, depth=6, budget=64)
+    tree, small = dict(top_k=8, depth=6, budget=64), dict(top_k=4, depth=6, budget=32)
     r32, r128, r128x2, ar32, tau = rng.uniform(10, 30), rng.uniform(10, 30), rng.uniform(5, 9), \
         rng.uniform(4, 8), rng.uniform(2, 5)
+    r_small, tau_small = rng.uniform(5, 9), rng.uniform(2, 5)
     files = {
-        "verify_8b_h200.json": dict(rows=[dict(context=32768, backend="kernel", tree=tree, round_ms=r32),
-                                          dict(context=32768, backend="reference", tree=tree, round_ms=99.0)]),
+        "verify_8b_h200.json": dict(rows=[
+            dict(context=32768, backend="kernel", tree=tree, round_ms=r32),
+            dict(context=32768, backend="reference", tree=tree, round_ms=99.0),
+            dict(context=32768, backend="kernel", tree=small, schedule=4, draft_vocab=32000, round_ms=r_small),
+            dict(context=32768, backend="kernel", tree=small, schedule=2, draft_vocab=32000, round_ms=1.0)]),
         "tp_h200x2.json": dict(rows=[dict(context=131072, backend="kernel", devices=1, tree=tree, round_ms=r128),
                                      dict(context=131072, backend="kernel", devices=2, tree=tree,
                                           round_ms=r128x2)]),
         "ar_8b_h200.json": dict(decode=[dict(context=32768, decode_ms_per_token=ar32)]),
-        "policy_profile.json": dict(buckets={"8K": [
-            dict(policy=dict(tree, schedule=1), tau=tau),
-            dict(policy=dict(tree, schedule=4), tau=tau + 1.0),
-            dict(policy=dict(top_k=4, depth=6, budget=32, schedule=1), tau=tau + 2.0)]}),
+        "policy_profile.json": dict(buckets={
+            "8K": [dict(policy=dict(tree, schedule=1), tau=tau - 1.0),
+                   dict(policy=dict(small, schedule=4), tau=tau_small + 1.0)],
+            "16K": [dict(policy=dict(tree, schedule=1), tau=tau),
+                    dict(policy=dict(tree, schedule=4), tau=tau + 1.0),
+                    dict(policy=dict(small, schedule=4), tau=tau_small),
+                    dict(policy=dict(small, schedule=1), tau=tau_small + 2.0)]}),
     }
     for name, d in files.items():
         (tmp_path / name).write_text(json.dumps(d))
     out = tmp_path / "implied.json"
     _script("implied_8b").main(["--results", str(tmp_path), "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["tau"] == pytest.approx(tau) and "IMPLIED" in res["label"]
-    a, b = res["rows"]
-    assert (a["context"], b["context"]) == (32768, 131072)
+    assert "IMPLIED" in res["label"]
+    by = {(r["tree"]["budget"], r["schedule"], r["draft_vocab"], r["context"]): r for r in res["rows"]}
+    assert set(by) == {(64, 1, 128256, 32768), (64, 1, 128256, 131072), (32, 4, 32000, 32768)}
+    a, b, c = by[64, 1, 128256, 32768], by[64, 1, 128256, 131072], by[32, 4, 32000, 32768]
+    assert a["tau"] == pytest.approx(tau) and "16K" in a["tau_source"]
     assert a["implied_ssv_tokens_per_s"] == pytest.approx(tau / r32 * 1e3)
     assert a["implied_speedup"] == pytest.approx(tau / r32 * ar32)
     assert b["round_ms"] == pytest.approx(r128) and b["round_source"] == "tp_h200x2.json"
     assert b["implied_speedup"] is None and b["ar_tokens_per_s"] is None
+    assert c["tau"] == pytest.approx(tau_small) and c["implied_speedup"] == pytest.approx(tau_small / r_small * ar32)
+    assert res["no_tau"] == [dict(tree=small, schedule=2, draft_vocab=32000)]
+    best = max((a, c), key=lambda r: r["implied_speedup"])
+    assert res["best_per_context"]["32768"] == best
 
 
 def test_traced_op_classes_and_per_gpu_summary():

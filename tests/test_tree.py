@@ -162,6 +162,16 @@ def test_treespec_validation(kw, field, rng):
     assert e.match(rng)
 
 
+def test_treespec_parse_list_reads_the_command_line_form():
+    assert TreeSpec.parse_list("4,6,32;8, 6,64") == [TreeSpec(4, 6, 32), TreeSpec(8, 6, 64)]
+    for bad in ("4,6", "4,6,32;", "a,6,32", "4,6,32,1"):
+        with pytest.raises(ValueError, match="top_k,depth,budget") as e:
+            TreeSpec.parse_list(bad)
+        assert repr(bad) in str(e.value)
+    with pytest.raises(ValueError, match="budget=99"):
+        TreeSpec.parse_list("4,6,32;2,2,99")
+
+
 @pytest.mark.parametrize("n", [1, 7, 32])
 def test_lex_order_is_the_lexicographic_sort(n):
     """`lex_order` (all-pairs ranks, no sort) gives the permutation of `jax.lax.sort` over the same keys, on fresh
