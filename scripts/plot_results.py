@@ -181,7 +181,8 @@ def schedule_ablation(verify: dict, decode: dict):
 
 def verify_split(data: dict):
     """verify_8b_h200.json: stacked draft / verify / accept+commit ms per (context, backend)."""
-    rows = sorted(data["rows"], key=lambda r: (r["context"], r["backend"]))
+    rows = sorted([r for r in data["rows"] if "draft_ms" in r] or data["previous_run"]["rows"],
+                  key=lambda r: (r["context"], r["backend"]))  # rows timed with the draft/verify split
     fig, ax = plt.subplots(figsize=(8, 5))
     x = np.arange(len(rows))
     bottom = np.zeros(len(rows))
