@@ -3,8 +3,8 @@
     python scripts/implied_8b.py --out docs/results/e2e_8b_implied.json
 
 No 8B NSA model is trained here, so its end-to-end speed cannot be measured: this combines three measurements
-(issue #8 asks for it, labelled as such). For each configuration (tree, refresh period P, draft vocabulary) that
-`bench_verify.py` timed, and each context T:
+(issue #8 asks for it, labelled as such). For each configuration (tree, refresh period P, draft vocabulary, draft
+window) that `bench_verify.py` timed, and each context T:
 - the H200 cost of one SSV round on random 8B weights (`verify_8b_h200.json`, and the one-GPU rows of
   `tp_h200x2.json` for contexts the first lacks);
 - the H200 AR decode step at T (`ar_8b_h200.json`; null where it was not measured);
@@ -35,8 +35,10 @@ def _load(results, name):
 
 
 def _config(r) -> tuple:
-    """(top_k, depth, budget, P, draft vocabulary) of a round row or a profile policy."""
-    return tuple(r["tree"][k] for k in TREE_KEYS) + (r.get("schedule", 1), r.get("draft_vocab", TARGET_VOCAB))
+    """(top_k, depth, budget, P, draft vocabulary, draft window) of a round row; -1 stands for no window (rows
+    written before `draft_window` was recorded had none), so the configurations sort."""
+    return tuple(r["tree"][k] for k in TREE_KEYS) + (r.get("schedule", 1), r.get("draft_vocab", TARGET_VOCAB),
+                                                     r.get("draft_window") or -1)
 
 
 def _tau(profile: dict, top_k: int, depth: int, budget: int, P: int):
@@ -49,29 +51,32 @@ def _tau(profile: dict, top_k: int, depth: int, budget: int, P: int):
 
 def implied(results=RESULTS):
     """The implied-speed rows from the committed JSON files in `results`."""
-    rounds = {}  # config -> context -> (round ms, source); verify_8b first, one-GPU TP rows fill the gaps
+    rounds = {}  # config -> context -> (round ms, source, code); verify_8b first, one-GPU TP rows fill the gaps
     sources = ["verify_8b_h200.json"] + [n for n in ("tp_h200x2.json",) if os.path.exists(os.path.join(results, n))]
     for name in sources:  # the TP file is optional
         for r in _load(results, name)["rows"]:
             if r["backend"] == "kernel" and r.get("devices", 1) == 1:
-                rounds.setdefault(_config(r), {}).setdefault(r["context"], (r["round_ms"], name))
+                rounds.setdefault(_config(r), {}).setdefault(r["context"], (r["round_ms"], name, r.get("code")))
     ar = {d["context"]: d["decode_ms_per_token"] for d in _load(results, "ar_8b_h200.json")["decode"]}
     prof = _load(results, "policy_profile.json")
     rows, no_tau = [], []
     for cfg in sorted(rounds):
-        k, d, n, P, vocab = cfg
+        k, d, n, P, vocab, window = cfg
+        window = None if window < 0 else window
         found = _tau(prof, k, d, n, P)
         if found is None:
-            no_tau.append(dict(tree=dict(top_k=k, depth=d, budget=n), schedule=P, draft_vocab=vocab))
+            no_tau.append(dict(tree=dict(top_k=k, depth=d, budget=n), schedule=P, draft_vocab=vocab,
+                               draft_window=window))
             continue
         tau, bucket = found
         for T in sorted(rounds[cfg]):
-            round_ms, src = rounds[cfg][T]
+            round_ms, src, code = rounds[cfg][T]
             ssv = tau / round_ms * 1e3
             ar_ms = ar.get(T)
-            rows.append(dict(tree=dict(top_k=k, depth=d, budget=n), schedule=P, draft_vocab=vocab, context=T,
+            rows.append(dict(tree=dict(top_k=k, depth=d, budget=n), schedule=P, draft_vocab=vocab,
+                             draft_window=window, context=T,
                              tau=tau, tau_source=f"policy_profile.json, bucket {bucket}, P={P}", round_ms=round_ms,
-                             round_source=src, ar_ms_per_token=ar_ms, implied_ssv_tokens_per_s=ssv,
+                             round_source=src, round_code=code, ar_ms_per_token=ar_ms, implied_ssv_tokens_per_s=ssv,
                              ar_tokens_per_s=None if ar_ms is None else 1e3 / ar_ms,
                              implied_speedup=None if ar_ms is None else ssv * ar_ms / 1e3))
     if not rows:
@@ -97,6 +102,7 @@ def main(argv=None):
         t = r["tree"]
         sp = "AR not measured" if r["implied_speedup"] is None else f"x{r['implied_speedup']:.2f} vs AR"
         print(f"tree {t['top_k']},{t['depth']},{t['budget']} P={r['schedule']} Vd={r['draft_vocab']:6d} "
+              f"window {r['draft_window'] or 'none':>5} "
               f"{r['context']:7d}  tau {r['tau']:.2f}  round {r['round_ms']:6.2f} ms  "
               f"{r['implied_ssv_tokens_per_s']:6.1f} tok/s  {sp}")
     for c in res["no_tau"]:

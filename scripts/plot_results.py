@@ -179,10 +179,23 @@ def schedule_ablation(verify: dict, decode: dict):
     return fig
 
 
+def _runs(data: dict):
+    """A results file's run and the runs nested in it as `previous_run`, newest first."""
+    while data:
+        yield data
+        data = data.get("previous_run")
+
+
 def verify_split(data: dict):
-    """verify_8b_h200.json: stacked draft / verify / accept+commit ms per (context, backend)."""
-    rows = sorted([r for r in data["rows"] if "draft_ms" in r] or data["previous_run"]["rows"],
-                  key=lambda r: (r["context"], r["backend"]))  # rows timed with the draft/verify split
+    """verify_8b_h200.json: stacked draft / verify / accept+commit ms per (context, backend, tree, P), from the
+    newest run (this one or a nested previous one) that timed that configuration with the split."""
+    newest = {}
+    for run in _runs(data):
+        for r in run["rows"]:
+            if "draft_ms" in r and "tree" in r:
+                key = (r["context"], r["backend"], r["tree"]["budget"], r.get("schedule", 1))
+                newest.setdefault(key, r)
+    rows = [newest[k] for k in sorted(newest)]
     fig, ax = plt.subplots(figsize=(8, 5))
     x = np.arange(len(rows))
     bottom = np.zeros(len(rows))
@@ -192,11 +205,10 @@ def verify_split(data: dict):
         bottom += v
     for i, r in enumerate(rows):
         ax.text(i, bottom[i], f"{r['round_ms']:.1f}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, [f"{r['context'] // 1024}K\n{r['backend']}" for r in rows])
-    t = rows[0]["tree"]
-    ax.set(ylabel="ms per round (label: measured round)",
-           title=f"SSV round, {data.get('preset', '')} on {data.get('device', '')}, tree k={t['top_k']} "
-                 f"d={t['depth']} {t['budget']} nodes")
+    ax.set_xticks(x, [f"{r['context'] // 1024}K {r['backend']}\n{r['tree']['top_k']},{r['tree']['depth']},"
+                      f"{r['tree']['budget']} P={r.get('schedule', 1)}" for r in rows], fontsize=7)
+    ax.set(ylabel="ms per round (label: measured round)", xlabel="context, backend; tree (k, depth, nodes), P",
+           title=f"SSV round, {data.get('preset', '')} on {data.get('device', '')}")
     ax.title.set_fontsize(9)
     ax.legend()
     fig.tight_layout()

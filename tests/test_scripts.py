@@ -135,18 +135,20 @@ def test_round_split_leaves_the_state_and_matches_generation(tmp_path):
 def test_implied_8b_speed_combines_round_cost_ar_step_and_tau(tmp_path):
     """tokens/s = tau / round; speedup = that x AR step; a context without an AR step has no speedup; the TP file's
     one-device rows fill contexts the verify file lacks, and its 2-device rows are ignored. Each (tree, P, draft
-    vocabulary) takes the tau of the same tree and P from the profile's largest bucket; a configuration the profile
-    lacks is listed, not guessed."""
+    vocabulary, draft window) is its own row and takes the tau of the same tree and P from the profile's largest
+    bucket; a configuration the profile lacks is listed, not guessed."""
     rng = np.random.default_rng()
     tree, small = dict(top_k=8, depth=6, budget=64), dict(top_k=4, depth=6, budget=32)
     r32, r128, r128x2, ar32, tau = rng.uniform(10, 30), rng.uniform(10, 30), rng.uniform(5, 9), \
         rng.uniform(4, 8), rng.uniform(2, 5)
-    r_small, tau_small = rng.uniform(5, 9), rng.uniform(2, 5)
+    r_small, r_window, tau_small = rng.uniform(5, 9), rng.uniform(5, 9), rng.uniform(2, 5)
     files = {
         "verify_8b_h200.json": dict(rows=[
             dict(context=32768, backend="kernel", tree=tree, round_ms=r32),
             dict(context=32768, backend="reference", tree=tree, round_ms=99.0),
             dict(context=32768, backend="kernel", tree=small, schedule=4, draft_vocab=32000, round_ms=r_small),
+            dict(context=32768, backend="kernel", tree=small, schedule=4, draft_vocab=32000, draft_window=4096,
+                 round_ms=r_window),
             dict(context=32768, backend="kernel", tree=small, schedule=2, draft_vocab=32000, round_ms=1.0)]),
         "tp_h200x2.json": dict(rows=[dict(context=131072, backend="kernel", devices=1, tree=tree, round_ms=r128),
                                      dict(context=131072, backend="kernel", devices=2, tree=tree,
@@ -166,17 +168,21 @@ def test_implied_8b_speed_combines_round_cost_ar_step_and_tau(tmp_path):
     _script("implied_8b").main(["--results", str(tmp_path), "--out", str(out)])
     res = json.loads(out.read_text())
     assert "IMPLIED" in res["label"]
-    by = {(r["tree"]["budget"], r["schedule"], r["draft_vocab"], r["context"]): r for r in res["rows"]}
-    assert set(by) == {(64, 1, 128256, 32768), (64, 1, 128256, 131072), (32, 4, 32000, 32768)}
-    a, b, c = by[64, 1, 128256, 32768], by[64, 1, 128256, 131072], by[32, 4, 32000, 32768]
+    by = {(r["tree"]["budget"], r["schedule"], r["draft_vocab"], r["draft_window"], r["context"]): r
+          for r in res["rows"]}
+    assert set(by) == {(64, 1, 128256, None, 32768), (64, 1, 128256, None, 131072), (32, 4, 32000, None, 32768),
+                       (32, 4, 32000, 4096, 32768)}
+    a, b, c = by[64, 1, 128256, None, 32768], by[64, 1, 128256, None, 131072], by[32, 4, 32000, None, 32768]
+    w = by[32, 4, 32000, 4096, 32768]
     assert a["tau"] == pytest.approx(tau) and "16K" in a["tau_source"]
     assert a["implied_ssv_tokens_per_s"] == pytest.approx(tau / r32 * 1e3)
     assert a["implied_speedup"] == pytest.approx(tau / r32 * ar32)
     assert b["round_ms"] == pytest.approx(r128) and b["round_source"] == "tp_h200x2.json"
     assert b["implied_speedup"] is None and b["ar_tokens_per_s"] is None
     assert c["tau"] == pytest.approx(tau_small) and c["implied_speedup"] == pytest.approx(tau_small / r_small * ar32)
-    assert res["no_tau"] == [dict(tree=small, schedule=2, draft_vocab=32000)]
-    best = max((a, c), key=lambda r: r["implied_speedup"])
+    assert w["tau"] == pytest.approx(tau_small) and w["implied_speedup"] == pytest.approx(tau_small / r_window * ar32)
+    assert res["no_tau"] == [dict(tree=small, schedule=2, draft_vocab=32000, draft_window=None)]
+    best = max((a, c, w), key=lambda r: r["implied_speedup"])
     assert res["best_per_context"]["32768"] == best
 
 
