@@ -304,11 +304,11 @@ def routing_share(kern: dict):
 def planner_gain(data: dict):
     """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context; the main run and
     each extra run present: `planner_same_class_run` (the planner choosing within the fixed policy's precision
-    class), `planner_rerun` (a later run of the planner) and `planner_bf16_profile` (the planner on a later
-    profile), labelled with their `code`."""
+    class), `planner_rerun` (a later run of the planner), `planner_bf16_profile` (the planner on a later profile)
+    and `planner_heldout_profile` (on a profile of other prompts than the benchmark's), labelled with their `code`."""
     runs = [("planner, class 'exact'" if "planner_same_class_run" in data else "planner", data["rows"])]
     extra = {"planner_same_class_run": "planner, the fixed policy's class", "planner_rerun": "planner re-run",
-             "planner_bf16_profile": "planner, bf16 profile"}
+             "planner_bf16_profile": "planner, bf16 profile", "planner_heldout_profile": "planner, held-out profile"}
     for key, label in extra.items():
         if key in data:
             code = str(data[key].get("code", "")).split(" ")[0]

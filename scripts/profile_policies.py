@@ -51,6 +51,9 @@ def main(argv=None):
     ap.add_argument("--random-preset", default=None)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--skip-prompts", type=int, default=0,
+                    help="pass over the first N held-out prompts of each context (bench_e2e.py --prompts N takes "
+                         "those), so the profile and the benchmark use different prompts")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3, help="timed runs per policy and prompt (the median counts)")
     ap.add_argument("--trees", default="1,4,5;4,4,16;4,6,32", help="top_k,depth,budget triples separated by ;")
@@ -63,6 +66,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.reps < 1:
         ap.error(f"--reps {a.reps} is invalid; accepted: an integer >= 1")
+    if a.skip_prompts < 0:
+        ap.error(f"--skip-prompts {a.skip_prompts} is invalid; accepted: an integer >= 0")
 
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
                                                  dtype=a.dtype))
@@ -72,8 +77,9 @@ def main(argv=None):
         ap.error(f"--trees: {e}")
     cands = candidate_policies(trees, a.orders, a.modes, a.group_sizes, a.schedules, a.backend)
     per_bucket, used = {}, []  # per_bucket: bucket -> policy index -> measurements over its contexts
+    hw = f"{jax.devices()[0].device_kind} ({platform.machine()}, jax {jax.__version__})"
     for ctx in a.contexts:
-        found = prompts(tok, m.cfg.vocab_size, ctx, a.prompts)
+        found = prompts(tok, m.cfg.vocab_size, ctx, a.prompts, skip=a.skip_prompts)
         used.extend(dict(context=ctx, file=name) for name, _ in found)
         ctx_prompts = [ids for _, ids in found]
         meas = per_bucket.setdefault(bucket_of(ctx), {})
@@ -88,18 +94,19 @@ def main(argv=None):
                 tps.append(r.stats["tokens_per_s"])
                 taus.append(r.stats["tau"])
                 round_ms.append(1e3 * r.stats["decode_s"] / max(r.stats["rounds"], 1))
-    buckets = {b: [dict(policy=cands[i].to_dict(), tokens_per_s=float(np.mean(t)), tau=float(np.mean(u)),
-                        verify_ms=float(np.mean(r)), round_ms=float(np.mean(r)), runs=len(t))
-                   for i, (t, u, r) in meas.items()] for b, meas in per_bucket.items()}
-    hw = f"{jax.devices()[0].device_kind} ({platform.machine()}, jax {jax.__version__})"
-    prof = save_profile(a.out, buckets, hardware=hw, model=m.cfg.name, prompts=used,
-                        extra=dict(model_source=desc, new_tokens=a.new_tokens, reps=a.reps,
-                                   note="verify_ms is the whole round time (draft + verify + commit)"))
+        # written after every context, so a run cut short keeps the contexts it finished
+        buckets = {b: [dict(policy=cands[i].to_dict(), tokens_per_s=float(np.mean(t)), tau=float(np.mean(u)),
+                            verify_ms=float(np.mean(r)), round_ms=float(np.mean(r)), runs=len(t),
+                            per_prompt_tokens_per_s=[float(x) for x in t], per_prompt_tau=[float(x) for x in u])
+                       for i, (t, u, r) in meas.items()] for b, meas in per_bucket.items()}
+        prof = save_profile(a.out, buckets, hardware=hw, model=m.cfg.name, prompts=used,
+                            extra=dict(model_source=desc, new_tokens=a.new_tokens, reps=a.reps,
+                                       skip_prompts=a.skip_prompts,
+                                       note="verify_ms is the whole round time (draft + verify + commit)"))
     for b, rows in prof["buckets"].items():
         best = rows[0]
         print(f"{b}: best {SSVPolicy.from_dict(best['policy']).describe()}  {best['tokens_per_s']:.1f} tok/s  "
               f"tau {best['tau']:.2f}")
-
 
 if __name__ == "__main__":
     main()

@@ -98,10 +98,15 @@ def _refresh_only(s) -> bool:
     return s == 1 or (isinstance(s, str) and set(s) == {"R"})
 
 
-def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0) -> list[tuple[str, np.ndarray]]:
+def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
+            skip: int = 0) -> list[tuple[str, np.ndarray]]:
     """`count` prompts of `n_tokens` ids: from held-out (test split) stdlib source when there is a tokenizer
-    (skipping generated and private modules such as _sysconfigdata), else random ids. [(source, ids)]."""
-    out = []
+    (skipping generated and private modules such as _sysconfigdata), else random ids. [(source, ids)].
+    `skip`: pass over the first `skip` files long enough (the planner's profile takes prompts disjoint from the
+    benchmark's this way). When too few files are long enough, the rest are random ids, and it says so."""
+    if skip < 0:
+        raise ValueError(f"skip={skip} is invalid; accepted: an integer >= 0")
+    out, to_skip = [], skip
     if tok is not None:
         from ssv_jax import data
 
@@ -110,9 +115,15 @@ def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0) -> l
                 continue
             ids = tok.encode(text)
             if len(ids) >= n_tokens + 16:
+                if to_skip:
+                    to_skip -= 1
+                    continue
                 out.append((rel, np.asarray(ids[:n_tokens], np.int32)))
             if len(out) == count:
                 return out
+    if tok is not None and len(out) < count:
+        print(f"only {len(out)} held-out files have {n_tokens} tokens (after skipping {skip}); the other "
+              f"{count - len(out)} prompt(s) are random tokens")
     rng = np.random.default_rng(seed)
     while len(out) < count:
         out.append(("random tokens", rng.integers(0, vocab_size, n_tokens).astype(np.int32)))
