@@ -9,7 +9,8 @@ window) that `bench_verify.py` timed, and each context T:
   `tp_h200x2.json` for contexts the first lacks);
 - the H200 AR decode step at T (`ar_8b_h200.json`; null where it was not measured);
 - τ of the same tree and P on the bundled small model, from the planner profile (`policy_profile.json`, its
-  largest context bucket): a trained 8B model would accept differently, so the result is an estimate.
+  largest context bucket; the mean over its held-out text prompts, leaving out random-token fill-ins): a trained
+  8B model would accept differently, so the result is an estimate.
   A configuration the profile has no τ for is listed under `no_tau`.
 
 implied SSV tokens/s = τ / round time; implied speedup = that / (1 / AR step time).
@@ -21,9 +22,12 @@ import argparse
 import json
 import os
 
+from ssv_jax.planner import bucket_of
+
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results")
 TREE_KEYS = ("top_k", "depth", "budget")
 TARGET_VOCAB = 128256  # llama31-8b-nsa: rows written before `draft_vocab` was recorded used the whole vocabulary
+RANDOM_PROMPT = "random tokens"  # the name `generate_cli.prompts` gives a prompt it had no held-out file for
 
 
 def _load(results, name):
@@ -41,12 +45,28 @@ def _config(r) -> tuple:
                                                      r.get("draft_window") or -1)
 
 
+def _text_tau(profile: dict, bucket: str, row: dict) -> tuple[float, list]:
+    """(τ, prompts) of a profile row over its held-out text prompts. `profile_policies.py` fills a context's
+    missing prompts with random tokens; where the row records per-prompt τ (in the order of the bucket's
+    `prompts`), those are left out. Older rows have only the mean, over all their prompts."""
+    names = [p["file"] for p in profile.get("prompts", []) if bucket_of(p["context"]) == bucket]
+    per = row.get("per_prompt_tau")
+    if per is None or len(per) != len(names):
+        return row["tau"], names
+    text = [(n, t) for n, t in zip(names, per) if n != RANDOM_PROMPT]
+    return (sum(t for _, t in text) / len(text), [n for n, _ in text]) if text else (row["tau"], names)
+
+
 def _tau(profile: dict, top_k: int, depth: int, budget: int, P: int):
-    """(τ, bucket) of that tree and P in the profile's largest bucket that has it, or None."""
-    found = [(int(b.rstrip("K")), b, r["tau"]) for b, rows in profile["buckets"].items() for r in rows
+    """(τ, bucket, prompts) of that tree and P in the profile's largest bucket that has it, or None."""
+    found = [(int(b.rstrip("K")), b, r) for b, rows in profile["buckets"].items() for r in rows
              if tuple(r["policy"][k] for k in TREE_KEYS) == (top_k, depth, budget)
              and (r["policy"].get("schedule") or 1) == P]
-    return None if not found else max(found)[2:0:-1]
+    if not found:
+        return None
+    _, bucket, row = max(found, key=lambda f: f[0])
+    tau, prompts = _text_tau(profile, bucket, row)
+    return tau, bucket, prompts
 
 
 def implied(results=RESULTS):
@@ -68,14 +88,15 @@ def implied(results=RESULTS):
             no_tau.append(dict(tree=dict(top_k=k, depth=d, budget=n), schedule=P, draft_vocab=vocab,
                                draft_window=window))
             continue
-        tau, bucket = found
+        tau, bucket, tau_prompts = found
         for T in sorted(rounds[cfg]):
             round_ms, src, code = rounds[cfg][T]
             ssv = tau / round_ms * 1e3
             ar_ms = ar.get(T)
             rows.append(dict(tree=dict(top_k=k, depth=d, budget=n), schedule=P, draft_vocab=vocab,
                              draft_window=window, context=T,
-                             tau=tau, tau_source=f"policy_profile.json, bucket {bucket}, P={P}", round_ms=round_ms,
+                             tau=tau, tau_source=f"policy_profile.json, bucket {bucket}, P={P}",
+                             tau_prompts=tau_prompts, round_ms=round_ms,
                              round_source=src, round_code=code, ar_ms_per_token=ar_ms, implied_ssv_tokens_per_s=ssv,
                              ar_tokens_per_s=None if ar_ms is None else 1e3 / ar_ms,
                              implied_speedup=None if ar_ms is None else ssv * ar_ms / 1e3))

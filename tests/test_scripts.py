@@ -161,7 +161,8 @@ def test_implied_8b_speed_combines_round_cost_ar_step_and_tau(tmp_path):
     """tokens/s = tau / round; speedup = that x AR step; a context without an AR step has no speedup; the TP file's
     one-device rows fill contexts the verify file lacks, and its 2-device rows are ignored. Each (tree, P, draft
     vocabulary, draft window) is its own row and takes the tau of the same tree and P from the profile's largest
-    bucket; a configuration the profile lacks is listed, not guessed."""
+    bucket, over its held-out text prompts where the row has per-prompt tau (a random-token fill-in is left out);
+    a configuration the profile lacks is listed, not guessed."""
     rng = np.random.default_rng()
     tree, small = dict(top_k=8, depth=6, budget=64), dict(top_k=4, depth=6, budget=32)
     r32, r128, r128x2, ar32, tau = rng.uniform(10, 30), rng.uniform(10, 30), rng.uniform(5, 9), \
@@ -179,12 +180,14 @@ def test_implied_8b_speed_combines_round_cost_ar_step_and_tau(tmp_path):
                                      dict(context=131072, backend="kernel", devices=2, tree=tree,
                                           round_ms=r128x2)]),
         "ar_8b_h200.json": dict(decode=[dict(context=32768, decode_ms_per_token=ar32)]),
-        "policy_profile.json": dict(buckets={
+        "policy_profile.json": dict(prompts=[dict(context=8192, file="a.py"), dict(context=15712, file="b.py"),
+                                             dict(context=15712, file="random tokens")], buckets={
             "8K": [dict(policy=dict(tree, schedule=1), tau=tau - 1.0),
                    dict(policy=dict(small, schedule=4), tau=tau_small + 1.0)],
             "16K": [dict(policy=dict(tree, schedule=1), tau=tau),
                     dict(policy=dict(tree, schedule=4), tau=tau + 1.0),
-                    dict(policy=dict(small, schedule=4), tau=tau_small),
+                    dict(policy=dict(small, schedule=4), tau=(tau_small + 1.0) / 2,
+                         per_prompt_tau=[tau_small, 1.0]),  # b.py, then the random-token fill-in
                     dict(policy=dict(small, schedule=1), tau=tau_small + 2.0)]}),
     }
     for name, d in files.items():
@@ -200,6 +203,7 @@ def test_implied_8b_speed_combines_round_cost_ar_step_and_tau(tmp_path):
     a, b, c = by[64, 1, 128256, None, 32768], by[64, 1, 128256, None, 131072], by[32, 4, 32000, None, 32768]
     w = by[32, 4, 32000, 4096, 32768]
     assert a["tau"] == pytest.approx(tau) and "16K" in a["tau_source"]
+    assert a["tau_prompts"] == ["b.py", "random tokens"] and c["tau_prompts"] == ["b.py"]
     assert a["implied_ssv_tokens_per_s"] == pytest.approx(tau / r32 * 1e3)
     assert a["implied_speedup"] == pytest.approx(tau / r32 * ar32)
     assert b["round_ms"] == pytest.approx(r128) and b["round_source"] == "tp_h200x2.json"
