@@ -22,12 +22,12 @@ import argparse
 import json
 import os
 
+from ssv_jax.generate_cli import RANDOM_PROMPT
 from ssv_jax.planner import bucket_of
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results")
 TREE_KEYS = ("top_k", "depth", "budget")
 TARGET_VOCAB = 128256  # llama31-8b-nsa: rows written before `draft_vocab` was recorded used the whole vocabulary
-RANDOM_PROMPT = "random tokens"  # the name `generate_cli.prompts` gives a prompt it had no held-out file for
 
 
 def _load(results, name):
@@ -39,10 +39,10 @@ def _load(results, name):
 
 
 def _config(r) -> tuple:
-    """(top_k, depth, budget, P, draft vocabulary, draft window) of a round row; -1 stands for no window (rows
-    written before `draft_window` was recorded had none), so the configurations sort."""
+    """(top_k, depth, budget, P, draft vocabulary, draft window or None) of a round row (rows written before
+    `draft_window` was recorded had none)."""
     return tuple(r["tree"][k] for k in TREE_KEYS) + (r.get("schedule", 1), r.get("draft_vocab", TARGET_VOCAB),
-                                                     r.get("draft_window") or -1)
+                                                     r.get("draft_window"))
 
 
 def _text_tau(profile: dict, bucket: str, row: dict) -> tuple[float, list]:
@@ -80,9 +80,8 @@ def implied(results=RESULTS):
     ar = {d["context"]: d["decode_ms_per_token"] for d in _load(results, "ar_8b_h200.json")["decode"]}
     prof = _load(results, "policy_profile.json")
     rows, no_tau = [], []
-    for cfg in sorted(rounds):
+    for cfg in sorted(rounds, key=lambda c: c[:-1] + (c[-1] or 0,)):  # no window sorts first
         k, d, n, P, vocab, window = cfg
-        window = None if window < 0 else window
         found = _tau(prof, k, d, n, P)
         if found is None:
             no_tau.append(dict(tree=dict(top_k=k, depth=d, budget=n), schedule=P, draft_vocab=vocab,

@@ -108,5 +108,6 @@ def main(argv=None):
         print(f"{b}: best {SSVPolicy.from_dict(best['policy']).describe()}  {best['tokens_per_s']:.1f} tok/s  "
               f"tau {best['tau']:.2f}")
 
+
 if __name__ == "__main__":
     main()

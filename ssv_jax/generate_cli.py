@@ -98,6 +98,9 @@ def _refresh_only(s) -> bool:
     return s == 1 or (isinstance(s, str) and set(s) == {"R"})
 
 
+RANDOM_PROMPT = "random tokens"  # the source `prompts` names a prompt it had no held-out file for
+
+
 def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
             skip: int = 0) -> list[tuple[str, np.ndarray]]:
     """`count` prompts of `n_tokens` ids: from held-out (test split) stdlib source when there is a tokenizer
@@ -126,14 +129,14 @@ def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
               f"{count - len(out)} prompt(s) are random tokens")
     rng = np.random.default_rng(seed)
     while len(out) < count:
-        out.append(("random tokens", rng.integers(0, vocab_size, n_tokens).astype(np.int32)))
+        out.append((RANDOM_PROMPT, rng.integers(0, vocab_size, n_tokens).astype(np.int32)))
     return out
 
 
 def default_prompt(tok, n_tokens: int) -> tuple[str, str]:
     """A prompt of about `n_tokens` tokens from held-out stdlib source: (relpath, text)."""
     found = prompts(tok, tok.vocab_size, n_tokens, 1)
-    if found[0][0] == "random tokens":
+    if found[0][0] == RANDOM_PROMPT:
         raise ValueError(f"no held-out file has {n_tokens} tokens; accepted: a smaller --prompt-tokens")
     return found[0][0], tok.decode(found[0][1].tolist())
 
