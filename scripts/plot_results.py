@@ -304,11 +304,13 @@ def routing_share(kern: dict):
 def planner_gain(data: dict):
     """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context; the main run and
     each extra run present: `planner_same_class_run` (the planner choosing within the fixed policy's precision
-    class), `planner_rerun` (a later run of the planner), `planner_bf16_profile` (the planner on a later profile)
-    and `planner_heldout_profile` (on a profile of other prompts than the benchmark's), labelled with their `code`."""
+    class), `planner_rerun` (a later run of the planner), `planner_bf16_profile` (the planner on a later profile),
+    `planner_heldout_profile` (on a profile of other prompts than the benchmark's) and `planner_two_file_profile`
+    (the same with its 16K bucket re-measured on held-out files alone), labelled with their `code`."""
     runs = [("planner, class 'exact'" if "planner_same_class_run" in data else "planner", data["rows"])]
     extra = {"planner_same_class_run": "planner, the fixed policy's class", "planner_rerun": "planner re-run",
-             "planner_bf16_profile": "planner, bf16 profile", "planner_heldout_profile": "planner, held-out profile"}
+             "planner_bf16_profile": "planner, bf16 profile", "planner_heldout_profile": "planner, held-out profile",
+             "planner_two_file_profile": "planner, 16K re-profile"}
     for key, label in extra.items():
         if key in data:
             code = str(data[key].get("code", "")).split(" ")[0]
@@ -333,6 +335,27 @@ def planner_gain(data: dict):
     return fig
 
 
+def group_size_e2e(prof: dict):
+    """group_size_e2e_16k_h200.json (profile_policies.py --group-sizes): end to end on the bundled model, ms per
+    round and tokens/s against the group size C, one line per tree."""
+    rows = [r for rs in prof["buckets"].values() for r in rs]
+    tree = lambda r: (r["policy"]["budget"], r["policy"]["depth"])  # noqa: E731
+    fig, (a_ms, a_tps) = plt.subplots(1, 2, figsize=(9.6, 3.8))
+    for b, d in sorted({tree(r) for r in rows}):
+        rs = sorted((r for r in rows if tree(r) == (b, d)), key=lambda r: r["policy"]["group_size"])
+        cs = [r["policy"]["group_size"] for r in rs]
+        a_ms.plot(cs, [r["round_ms"] for r in rs], "o-", label=f"{b} nodes, depth {d}")
+        a_tps.plot(cs, [r["tokens_per_s"] for r in rs], "o-", label=f"{b} nodes, depth {d}")
+    for ax, ylabel in ((a_ms, "ms per round"), (a_tps, "tokens/s")):
+        _log_ticks(ax, sorted({r["policy"]["group_size"] for r in rows}))
+        ax.set(xlabel="group size C", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    a_ms.legend(fontsize=8)
+    fig.suptitle("group size end to end, bundled model, H200")
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("roofline.png", roofline, ["kernels_h200.json"]),
     ("decode_layouts.png", decode_layouts, ["decode_profile_h200.json", "ar_8b_h200.json"]),
@@ -343,6 +366,7 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("group_size_ablation.png", group_size_ablation, ["kernels_h200.json"]),
     ("routing_share.png", routing_share, ["kernels_h200.json"]),
     ("planner_gain.png", planner_gain, ["e2e_h200.json"]),
+    ("group_size_e2e.png", group_size_e2e, ["group_size_e2e_16k_h200.json"]),
 ]
 
 
