@@ -336,22 +336,25 @@ def planner_gain(data: dict):
 
 
 def group_size_e2e(prof: dict):
-    """group_size_e2e_16k_h200.json (profile_policies.py --group-sizes): end to end on the bundled model, ms per
-    round and tokens/s against the group size C, one line per tree."""
-    rows = [r for rs in prof["buckets"].values() for r in rs]
+    """group_size_e2e_h200.json (profile_policies.py --group-sizes): end to end on the bundled model, ms per round
+    and tokens/s against the group size C, one colour per tree, one line style per context bucket."""
     tree = lambda r: (r["policy"]["budget"], r["policy"]["depth"])  # noqa: E731
+    trees = sorted({tree(r) for rs in prof["buckets"].values() for r in rs})
     fig, (a_ms, a_tps) = plt.subplots(1, 2, figsize=(9.6, 3.8))
-    for b, d in sorted({tree(r) for r in rows}):
-        rs = sorted((r for r in rows if tree(r) == (b, d)), key=lambda r: r["policy"]["group_size"])
-        cs = [r["policy"]["group_size"] for r in rs]
-        a_ms.plot(cs, [r["round_ms"] for r in rs], "o-", label=f"{b} nodes, depth {d}")
-        a_tps.plot(cs, [r["tokens_per_s"] for r in rs], "o-", label=f"{b} nodes, depth {d}")
+    for bucket, style in zip(sorted(prof["buckets"], key=lambda b: -int(b.rstrip("K"))), ("o-", "s--", "^:")):
+        for j, (b, d) in enumerate(trees):
+            rs = [r for r in prof["buckets"][bucket] if tree(r) == (b, d)]
+            rs.sort(key=lambda r: r["policy"]["group_size"])
+            cs = [r["policy"]["group_size"] for r in rs]
+            kw = dict(color=f"C{j}", label=f"{bucket}, {b} nodes, depth {d}")
+            a_ms.plot(cs, [r["round_ms"] for r in rs], style, **kw)
+            a_tps.plot(cs, [r["tokens_per_s"] for r in rs], style, **kw)
     for ax, ylabel in ((a_ms, "ms per round"), (a_tps, "tokens/s")):
-        _log_ticks(ax, sorted({r["policy"]["group_size"] for r in rows}))
+        _log_ticks(ax, sorted({r["policy"]["group_size"] for rs in prof["buckets"].values() for r in rs}))
         ax.set(xlabel="group size C", ylabel=ylabel)
         ax.grid(alpha=0.3)
-    a_ms.legend(fontsize=8)
-    fig.suptitle("group size end to end, bundled model, H200")
+    a_ms.legend(fontsize=7)
+    fig.suptitle("group size end to end, bundled model, H200 (P=4)")
     fig.tight_layout()
     return fig
 
@@ -366,7 +369,7 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("group_size_ablation.png", group_size_ablation, ["kernels_h200.json"]),
     ("routing_share.png", routing_share, ["kernels_h200.json"]),
     ("planner_gain.png", planner_gain, ["e2e_h200.json"]),
-    ("group_size_e2e.png", group_size_e2e, ["group_size_e2e_16k_h200.json"]),
+    ("group_size_e2e.png", group_size_e2e, ["group_size_e2e_h200.json"]),
 ]
 
 
