@@ -152,20 +152,21 @@ def test_ttt_matches_inference_chain():
     sel = jnp.arange(cfg.vocab_size)
     logits_t, feats = M.forward_train(tp, cfg, tokens)
 
-    # Reference: for base i, commit entries 0..i, then draft the chain with ground-truth tokens.
+    # Reference: for base i, commit entries 0..i (the whole prefix passed, entries after i marked invalid, so one
+    # compiled program serves every i), then draft the chain with ground-truth tokens.
+    @jax.jit
     def chain_logits(i):
         cache = DR.init_draft_cache(dcfg, 1, max_len=S)
         nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-        pos = jnp.arange(i + 1)[None]
-        h, lg, cache = DR.draft_extend(dp, dcfg, tp["embed"], feats[:, :i + 1], nxt[:, :i + 1], pos,
-                                       jnp.ones((1, i + 1), bool), cache)
-        out, hid = [lg[:, -1]], h[:, -1:]
+        pos = jnp.arange(S)[None]
+        h, lg, cache = DR.draft_extend(dp, dcfg, tp["embed"], feats, nxt, pos, pos <= i, cache)
+        out, hid = [lg[:, i]], jax.lax.dynamic_slice_in_dim(h, i, 1, axis=1)
         ek = jnp.zeros((1, 0, dcfg.n_kv_heads, dcfg.head_dim))
         ev = ek
         for k in range(1, K):
-            tok = tokens[:, i + k + 1:i + k + 2]
+            tok = jax.lax.dynamic_slice_in_dim(tokens, i + k + 1, 1, axis=1)
             mask = jnp.ones((1, 1, ek.shape[1]), bool)
-            hid, lg, kk, vv = DR.draft_tree_step(dp, dcfg, tp["embed"], hid, tok, jnp.array([[i + k]]), cache,
+            hid, lg, kk, vv = DR.draft_tree_step(dp, dcfg, tp["embed"], hid, tok, jnp.reshape(i + k, (1, 1)), cache,
                                                  ek, ev, mask)
             ek, ev = jnp.concatenate([ek, kk], 1), jnp.concatenate([ev, vv], 1)
             out.append(lg[:, 0])
