@@ -8,6 +8,11 @@ write the versioned ranking JSON that `policy="auto"` reads (DESIGN.md, "Planner
 Each policy runs once per prompt to compile, then `--reps` times timed; the median run counts (a single timed run
 once ran hundreds of times slower on the H200, docs/results/policy_profile.json). tokens/s counts the emitted
 tokens over the decode time (prefill excluded); round_ms is the decode time per round.
+
+With a tokenizer, the prompts are held-out files only: where fewer files are long enough than `--prompts` asks,
+the context is profiled on those alone (a random-token prompt accepts little with every tree and so favours the
+cheapest round; docs/DESIGN_NOTES.md, "The planner's profile"). `--random-fill` tops them up with random tokens
+instead. Without a tokenizer (`--random-preset`) every prompt is random tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
+from ssv_jax.generate_cli import RANDOM_PROMPT, add_dtype_arg, load_model, prompts
 from ssv_jax.planner import bucket_of, save_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import ssv_generate
@@ -44,6 +49,18 @@ def candidate_policies(trees, orders, modes, group_sizes, schedules, backend) ->
     return out
 
 
+def text_prompts(found: list, context: int, skip: int) -> list:
+    """The held-out files among `prompts()`'s result, without its random-token fill-ins. Raises SystemExit when no
+    file is long enough."""
+    text = [(name, ids) for name, ids in found if name != RANDOM_PROMPT]
+    if not text:
+        raise SystemExit(f"no held-out file has {context} tokens after skipping {skip}; accepted: a smaller "
+                         f"--skip-prompts or context, or --random-fill to profile on random tokens")
+    if len(text) < len(found):
+        print(f"profiling {context} on {len(text)} held-out file(s) alone (--random-fill adds random tokens)")
+    return text
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
@@ -54,6 +71,8 @@ def main(argv=None):
     ap.add_argument("--skip-prompts", type=int, default=0,
                     help="pass over the first N held-out prompts of each context (bench_e2e.py --prompts N takes "
                          "those), so the profile and the benchmark use different prompts")
+    ap.add_argument("--random-fill", action="store_true",
+                    help="top up with random-token prompts where too few held-out files are long enough")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3, help="timed runs per policy and prompt (the median counts)")
     ap.add_argument("--trees", default="1,4,5;4,4,16;4,6,32", help="top_k,depth,budget triples separated by ;")
@@ -78,8 +97,11 @@ def main(argv=None):
     cands = candidate_policies(trees, a.orders, a.modes, a.group_sizes, a.schedules, a.backend)
     per_bucket, used = {}, []  # per_bucket: bucket -> policy index -> measurements over its contexts
     hw = f"{jax.devices()[0].device_kind} ({platform.machine()}, jax {jax.__version__})"
+    by_context = {}  # every context's prompts before any profiling, so a missing one fails at once
     for ctx in a.contexts:
         found = prompts(tok, m.cfg.vocab_size, ctx, a.prompts, skip=a.skip_prompts)
+        by_context[ctx] = found if tok is None or a.random_fill else text_prompts(found, ctx, a.skip_prompts)
+    for ctx, found in by_context.items():
         used.extend(dict(context=ctx, file=name) for name, _ in found)
         ctx_prompts = [ids for _, ids in found]
         meas = per_bucket.setdefault(bucket_of(ctx), {})
@@ -101,7 +123,7 @@ def main(argv=None):
                        for i, (t, u, r) in meas.items()] for b, meas in per_bucket.items()}
         prof = save_profile(a.out, buckets, hardware=hw, model=m.cfg.name, prompts=used,
                             extra=dict(model_source=desc, new_tokens=a.new_tokens, reps=a.reps,
-                                       skip_prompts=a.skip_prompts,
+                                       skip_prompts=a.skip_prompts, random_fill=a.random_fill,
                                        note="verify_ms is the whole round time (draft + verify + commit)"))
     for b, rows in prof["buckets"].items():
         best = rows[0]

@@ -48,6 +48,24 @@ def test_profile_policies_rejects_zero_reps(tmp_path):
                                           "--out", str(tmp_path / "p.json")])
 
 
+def test_profile_policies_profiles_held_out_text_only_unless_asked_to_fill_in(tmp_path):
+    """With a tokenizer the profile's prompts are held-out files: random-token fill-ins are dropped, and a context
+    no file reaches stops the run before any profiling (the message names the context and what is accepted)."""
+    from ssv_jax.generate_cli import RANDOM_PROMPT
+
+    pp = _script("profile_policies")
+    ids = np.arange(8, dtype=np.int32)
+    found = [("a.py", ids), (RANDOM_PROMPT, ids), ("b.py", ids)]
+    assert [n for n, _ in pp.text_prompts(found, 4096, 0)] == ["a.py", "b.py"]
+    with pytest.raises(SystemExit, match="no held-out file has 4096 tokens after skipping 3"):
+        pp.text_prompts([(RANDOM_PROMPT, ids)], 4096, 3)
+    out = tmp_path / "p.json"
+    with pytest.raises(SystemExit, match="no held-out file has 15712 tokens after skipping 1000.*--random-fill"):
+        pp.main(["--checkpoint", str(ROOT / "checkpoints" / "ssv-small"), "--contexts", "15712",
+                 "--skip-prompts", "1000", "--out", str(out)])
+    assert not out.exists()
+
+
 def test_held_out_prompts_skip_the_first_files_the_benchmark_takes():
     """`prompts(..., skip=n)` continues the list where `prompts(..., count=n)` stops: the planner's profile
     (`profile_policies.py --skip-prompts 3`) and `bench_e2e.py --prompts 3` share no prompt."""
