@@ -305,12 +305,13 @@ def planner_gain(data: dict):
     """e2e_h200.json: per prompt, the planner's tokens/s over the best fixed policy's, per context; the main run and
     each extra run present: `planner_same_class_run` (the planner choosing within the fixed policy's precision
     class), `planner_rerun` (a later run of the planner), `planner_bf16_profile` (the planner on a later profile),
-    `planner_heldout_profile` (on a profile of other prompts than the benchmark's) and `planner_two_file_profile`
-    (the same with its 16K bucket re-measured on held-out files alone), labelled with their `code`."""
+    `planner_heldout_profile` (on a profile of other prompts than the benchmark's), `planner_two_file_profile`
+    (the same with its 16K bucket re-measured on held-out files alone) and `rerun_8k_all_methods` (a later run of
+    every method), labelled with their `code`."""
     runs = [("planner, class 'exact'" if "planner_same_class_run" in data else "planner", data["rows"])]
     extra = {"planner_same_class_run": "planner, the fixed policy's class", "planner_rerun": "planner re-run",
              "planner_bf16_profile": "planner, bf16 profile", "planner_heldout_profile": "planner, held-out profile",
-             "planner_two_file_profile": "planner, 16K re-profile"}
+             "planner_two_file_profile": "planner, 16K re-profile", "rerun_8k_all_methods": "all methods re-run"}
     for key, label in extra.items():
         if key in data:
             code = str(data[key].get("code", "")).split(" ")[0]
