@@ -322,9 +322,11 @@ def test_chunk_cost_fits_a_per_call_and_a_per_round_cost(tmp_path):
     out = tmp_path / "chunk_cost.json"
     res = _script("chunk_cost").main(["--random-preset", "tiny", "--context", "200", "--rounds", "2", "1",
                                       "--tree", "2", "2", "4", "--schedule", "2", "--backend", "reference",
-                                      "--reps", "1", "--out", str(out)])
+                                      "--reps", "1", "--chain", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == res
     assert [r["rounds"] for r in res["rows"]] == [1, 2]
+    assert [(c["rounds"], c["chain"]) for c in res["chained"]] == [(1, 2)]  # only rounds * chain <= max(rounds)
+    assert res["chained"][0]["ms_per_chunk"] > 0 and res["chained"][0]["dispatch_ms"] > 0
     for r in res["rows"]:
         assert r["ms"] > 0
         assert res["fit"]["per_call_ms"] + r["rounds"] * res["fit"]["per_round_ms"] == pytest.approx(r["ms"])
@@ -334,6 +336,8 @@ def test_chunk_cost_fits_a_per_call_and_a_per_round_cost(tmp_path):
 def test_chunk_cost_needs_two_chunk_lengths():
     with pytest.raises(SystemExit, match="two distinct"):
         _script("chunk_cost").main(["--random-preset", "tiny", "--rounds", "4", "4"])
+    with pytest.raises(SystemExit, match="--chain=1 is invalid"):
+        _script("chunk_cost").main(["--random-preset", "tiny", "--rounds", "1", "2", "--chain", "1"])
 
 
 def test_round_ops_attributes_traced_ops_to_their_source_lines():
