@@ -81,16 +81,19 @@ def _check_chunk(name: str, value) -> None:
 
 
 @partial(jax.jit, static_argnames=("cfg", "steps", "temperature", "schedule", "attn"), donate_argnames=("cache",))
-def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, start=0, *, steps: int, temperature: float,
-              schedule, attn):
-    """`steps` decode steps in one while_loop. token [B] is the last sampled token (not yet in the cache). Step i
-    samples with fold_in(fold_in(key, start), i) (`start`: the tokens produced before)."""
+def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, start=0, limit=None, *, steps: int,
+              temperature: float, schedule, attn):
+    """At most `steps` decode steps in one while_loop, fewer when `limit` (traced: the tokens still wanted) is
+    smaller, so the last chunk of a generation compiles no shape of its own. token [B] is the last sampled token
+    (not yet in the cache). Step i samples with fold_in(fold_in(key, start), i) (`start`: the tokens produced
+    before)."""
     B = token.shape[0]
     key = jax.random.fold_in(key, start)
+    limit = steps if limit is None else limit
 
     def cond(c):
         i, _, _, done, _ = c
-        return (i < steps) & ~jnp.all(done)
+        return (i < steps) & (i < limit) & ~jnp.all(done)
 
     def body(c):
         i, cache, tok, done, out = c
@@ -116,7 +119,7 @@ def default_decode_attention():
 
 
 def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                eos_id: int | None = None, *, schedule=None, attn=None, chunk_steps: int = 64,
+                eos_id: int | None = None, *, schedule=None, attn=None, chunk_steps: int = 128,
                 prefill_chunk: int = 512, cache_dtype=None, progress: bool = False, mesh=None,
                 split_weights: bool = True) -> GenerateResult:
     """Autoregressive NSA decoding (optionally under a refresh/reuse `schedule`, the SSV model variant).
@@ -163,9 +166,10 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc="decode", unit="tok", initial=1)
     while produced < max_new_tokens and not np.all(np.asarray(done)):
-        steps = min(chunk_steps, max_new_tokens - produced)
-        cache, tok, done, out, n = _ar_chunk(params, cfg, cache, tok, key, done, eos, produced, steps=steps,
-                                             temperature=float(temperature), schedule=schedule, attn=decode_attn)
+        steps = min(chunk_steps, max_new_tokens - 1)  # one shape per generation; `limit` stops the last chunk
+        cache, tok, done, out, n = _ar_chunk(params, cfg, cache, tok, key, done, eos, produced,
+                                             max_new_tokens - produced, steps=steps, temperature=float(temperature),
+                                             schedule=schedule, attn=decode_attn)
         out, n, done = jax.device_get((out, n, done))  # one transfer for all the host reads
         n = int(n)
         outs.append(out[:, :n])

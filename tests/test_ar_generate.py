@@ -24,6 +24,22 @@ def test_greedy_tokens_are_the_argmax_of_the_full_sequence_model():
     assert res.stats["steps"] == 40 and res.stats["tokens_per_s"] > 0
 
 
+def test_a_generation_traces_one_decode_chunk_however_its_last_chunk_ends(monkeypatch):
+    """30 tokens in chunks of 12 run 11 + 12 + 6 steps: the short last chunk stops on its traced limit instead of
+    tracing (and compiling) a chunk of its own. Counts the traces of the decode step (one token per row)."""
+    traced, forward = [], M.forward
+
+    def counting(params, cfg, tokens, *args, **kw):
+        if tokens.shape[1] == 1:
+            traced.append(tokens.shape)
+        return forward(params, cfg, tokens, *args, **kw)
+
+    monkeypatch.setattr(M, "forward", counting)
+    res = ar_generate((CFG, PARAMS), PROMPT, max_new_tokens=30, chunk_steps=12, prefill_chunk=64)
+    assert res.tokens.shape == (1, 30)
+    assert len(traced) == 1
+
+
 def test_sampling_is_deterministic_per_seed_and_differs_across_seeds():
     a = ar_generate((CFG, PARAMS), PROMPT, 24, temperature=1.0, seed=3, prefill_chunk=64).tokens
     b = ar_generate((CFG, PARAMS), PROMPT, 24, temperature=1.0, seed=3, prefill_chunk=64).tokens
