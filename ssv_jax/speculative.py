@@ -223,7 +223,7 @@ def first_state(m: SSVModel, prompt: np.ndarray, tcache, dcache, eos, max_new_to
 
 
 def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", temperature: float = 0.0,
-                 seed: int = 0, eos_id: int | None = None, chunk_rounds: int = 16, prefill_chunk: int = 512,
+                 seed: int = 0, eos_id: int | None = None, chunk_rounds: int = 32, prefill_chunk: int = 512,
                  planner=None, cache_dtype=None, progress: bool = False, mesh=None,
                  split_weights: bool = True) -> GenerateResult:
     """Generate with Sparse Speculative Verification.
@@ -241,8 +241,8 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         projections), which holds a second copy of the target's weights; False slices the stacked weights
         inside the loop instead (about 3x slower per round at 8B shapes, docs/RESULTS.md).
       chunk_rounds: the most rounds per jitted call. Between calls the host reads the results in one transfer,
-        updates progress and lets the planner switch policy; each call costs ~2 ms of host time on the H200
-        (docs/results/chunk_loop_h200.json).
+        updates progress and lets the planner switch policy. Each call costs ~1.5–2 ms on the H200 that the
+        rounds cannot hide (docs/results/chunk_cost_h200.json); 32 rounds are ~30 ms of the bundled model's.
     Returns `GenerateResult(tokens [B, n], stats)`; stats: rounds, accepted_per_round (tokens emitted per round:
     accepted drafts + bonus), tau (their mean), policy_trace, prefill_s, decode_s, tokens_per_s.
     """

@@ -123,7 +123,7 @@ def test_e2e_bench_clamps_contexts_and_splits_the_fixed_policys_round(tmp_path, 
                                "--new-tokens", "4", "--tree", "2", "2", "4", "--backend", "reference",
                                "--schedule", "2", "--methods", "ar", "ssv", "--chunk-rounds", "1", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert (res["chunk_rounds"], res["chunk_steps"]) == (1, 64)
+    assert (res["chunk_rounds"], res["chunk_steps"]) == (1, 128)
     longest = 2048 - 4 - 512 - 64  # tiny max_seq_len minus the new tokens and the working room
     assert {r["context"] for r in res["rows"]} == {longest}
     assert set(res["summary"]) == {f"{longest}/ar", f"{longest}/ssv"}
