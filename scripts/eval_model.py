@@ -95,10 +95,10 @@ def policies():
 def tau_prompts(tok, vocab_size: int, test: D.TokenizedSplit, ctx: int, files: int) -> list[tuple[str, np.ndarray]]:
     """The prompts of one context: the last `ctx` tokens of the held-out test stream (every context shares its
     ending), then the first `ctx` tokens of each of `files` held-out files long enough (`generate_cli.prompts`)."""
-    from ssv_jax.generate_cli import RANDOM_PROMPT, prompts
+    from ssv_jax.generate_cli import prompts
 
     out = [("test stream tail", test.tokens[len(test) - ctx:].astype(np.int32))]
-    return out + [p for p in prompts(tok, vocab_size, ctx, files) if p[0] != RANDOM_PROMPT]
+    return out + prompts(tok, vocab_size, ctx, files, fill=False)
 
 
 def measure_tau(bundle, test: D.TokenizedSplit, contexts, temperatures, new_tokens: int, seed: int,

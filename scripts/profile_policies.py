@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from ssv_jax.generate_cli import RANDOM_PROMPT, add_dtype_arg, load_model, prompts
+from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
 from ssv_jax.planner import bucket_of, save_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import ssv_generate
@@ -49,14 +49,14 @@ def candidate_policies(trees, orders, modes, group_sizes, schedules, backend) ->
     return out
 
 
-def text_prompts(found: list, context: int, skip: int) -> list:
-    """The held-out files among `prompts()`'s result, without its random-token fill-ins. Raises SystemExit when no
-    file is long enough."""
-    text = [(name, ids) for name, ids in found if name != RANDOM_PROMPT]
+def text_prompts(tok, vocab_size: int, context: int, count: int, skip: int) -> list:
+    """Up to `count` held-out files of `context` tokens (`prompts(..., fill=False)`: no random-token fill-ins).
+    Raises SystemExit when no file is long enough."""
+    text = prompts(tok, vocab_size, context, count, skip=skip, fill=False)
     if not text:
         raise SystemExit(f"no held-out file has {context} tokens after skipping {skip}; accepted: a smaller "
                          f"--skip-prompts or context, or --random-fill to profile on random tokens")
-    if len(text) < len(found):
+    if len(text) < count:
         print(f"profiling {context} on {len(text)} held-out file(s) alone (--random-fill adds random tokens)")
     return text
 
@@ -99,8 +99,9 @@ def main(argv=None):
     hw = f"{jax.devices()[0].device_kind} ({platform.machine()}, jax {jax.__version__})"
     by_context = {}  # every context's prompts before any profiling, so a missing one fails at once
     for ctx in a.contexts:
-        found = prompts(tok, m.cfg.vocab_size, ctx, a.prompts, skip=a.skip_prompts)
-        by_context[ctx] = found if tok is None or a.random_fill else text_prompts(found, ctx, a.skip_prompts)
+        by_context[ctx] = (prompts(tok, m.cfg.vocab_size, ctx, a.prompts, skip=a.skip_prompts)
+                           if tok is None or a.random_fill
+                           else text_prompts(tok, m.cfg.vocab_size, ctx, a.prompts, a.skip_prompts))
     for ctx, found in by_context.items():
         used.extend(dict(context=ctx, file=name) for name, _ in found)
         ctx_prompts = [ids for _, ids in found]

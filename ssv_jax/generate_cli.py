@@ -102,11 +102,12 @@ RANDOM_PROMPT = "random tokens"  # the source `prompts` names a prompt it had no
 
 
 def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
-            skip: int = 0) -> list[tuple[str, np.ndarray]]:
+            skip: int = 0, fill: bool = True) -> list[tuple[str, np.ndarray]]:
     """`count` prompts of `n_tokens` ids: from held-out (test split) stdlib source when there is a tokenizer
     (skipping generated and private modules such as _sysconfigdata), else random ids. [(source, ids)].
     `skip`: pass over the first `skip` files long enough (the planner's profile takes prompts disjoint from the
-    benchmark's this way). When too few files are long enough, the rest are random ids, and it says so."""
+    benchmark's this way). When too few files are long enough, the rest are random ids, and it says so; with
+    `fill=False` the list holds only the files found (possibly none)."""
     if skip < 0:
         raise ValueError(f"skip={skip} is invalid; accepted: an integer >= 0")
     out, to_skip = [], skip
@@ -124,6 +125,8 @@ def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
                 out.append((rel, np.asarray(ids[:n_tokens], np.int32)))
             if len(out) == count:
                 return out
+    if tok is not None and not fill:
+        return out
     if tok is not None and len(out) < count:
         print(f"only {len(out)} held-out files have {n_tokens} tokens (after skipping {skip}); the other "
               f"{count - len(out)} prompt(s) are random tokens")
@@ -135,8 +138,8 @@ def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
 
 def default_prompt(tok, n_tokens: int) -> tuple[str, str]:
     """A prompt of about `n_tokens` tokens from held-out stdlib source: (relpath, text)."""
-    found = prompts(tok, tok.vocab_size, n_tokens, 1)
-    if found[0][0] == RANDOM_PROMPT:
+    found = prompts(tok, tok.vocab_size, n_tokens, 1, fill=False)
+    if not found:
         raise ValueError(f"no held-out file has {n_tokens} tokens; accepted: a smaller --prompt-tokens")
     return found[0][0], tok.decode(found[0][1].tolist())
 

@@ -51,14 +51,17 @@ def test_profile_policies_rejects_zero_reps(tmp_path):
 def test_profile_policies_profiles_held_out_text_only_unless_asked_to_fill_in(tmp_path):
     """With a tokenizer the profile's prompts are held-out files: random-token fill-ins are dropped, and a context
     no file reaches stops the run before any profiling (the message names the context and what is accepted)."""
-    from ssv_jax.generate_cli import RANDOM_PROMPT
+    from ssv_jax.generate_cli import RANDOM_PROMPT, prompts
+    from ssv_jax.tokenizer import Tokenizer
 
     pp = _script("profile_policies")
-    ids = np.arange(8, dtype=np.int32)
-    found = [("a.py", ids), (RANDOM_PROMPT, ids), ("b.py", ids)]
-    assert [n for n, _ in pp.text_prompts(found, 4096, 0)] == ["a.py", "b.py"]
-    with pytest.raises(SystemExit, match="no held-out file has 4096 tokens after skipping 3"):
-        pp.text_prompts([(RANDOM_PROMPT, ids)], 4096, 3)
+    tok = Tokenizer.load(ROOT / "checkpoints" / "ssv-small" / "tokenizer.json")
+    many = sum(1 for name, _ in prompts(tok, tok.vocab_size, 300, 10**6, fill=False))
+    text = pp.text_prompts(tok, tok.vocab_size, 300, many + 2, 0)  # asks for two more files than there are
+    assert len(text) == many and RANDOM_PROMPT not in [n for n, _ in text]
+    assert [n for n, _ in prompts(tok, tok.vocab_size, 300, many + 2)][many:] == [RANDOM_PROMPT] * 2
+    with pytest.raises(SystemExit, match=f"no held-out file has 300 tokens after skipping {many}"):
+        pp.text_prompts(tok, tok.vocab_size, 300, 1, many)
     out = tmp_path / "p.json"
     with pytest.raises(SystemExit, match="no held-out file has 15712 tokens after skipping 1000.*--random-fill"):
         pp.main(["--checkpoint", str(ROOT / "checkpoints" / "ssv-small"), "--contexts", "15712",
