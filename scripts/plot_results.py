@@ -308,14 +308,18 @@ def planner_gain(data: dict):
     `planner_heldout_profile` (on a profile of other prompts than the benchmark's), `planner_two_file_profile`
     (the same with its 16K bucket re-measured on held-out files alone) and `rerun_8k_all_methods` (a later run of
     every method), labelled with their `code`."""
-    runs = [("planner, class 'exact'" if "planner_same_class_run" in data else "planner", data["rows"])]
+    def code(run):
+        return str(run.get("code", "")).split(" ")[0].rstrip(":,;")
+
+    main = "planner, class 'exact'" if "planner_same_class_run" in data else "planner"
+    runs = [(f"{main} ({code(data)})" if code(data) else main, data["rows"])]
     extra = {"planner_same_class_run": "planner, the fixed policy's class", "planner_rerun": "planner re-run",
              "planner_bf16_profile": "planner, bf16 profile", "planner_heldout_profile": "planner, held-out profile",
              "planner_two_file_profile": "planner, 16K re-profile", "rerun_8k_all_methods": "all methods re-run"}
     for key, label in extra.items():
         if key in data:
-            code = str(data[key].get("code", "")).split(" ")[0]
-            runs.append((f"{label} ({code})" if code else label, data[key]["rows"]))
+            c = code(data[key])
+            runs.append((f"{label} ({c})" if c else label, data[key]["rows"]))
     ctx = sorted({r["context"] for _, rows in runs for r in rows})
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for j, (label, rows) in enumerate(runs):  # side by side within each context
