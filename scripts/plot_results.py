@@ -306,8 +306,8 @@ def planner_gain(data: dict):
     each extra run present: `planner_same_class_run` (the planner choosing within the fixed policy's precision
     class), `planner_rerun` (a later run of the planner), `planner_bf16_profile` (the planner on a later profile),
     `planner_heldout_profile` (on a profile of other prompts than the benchmark's), `planner_two_file_profile`
-    (the same with its 16K bucket re-measured on held-out files alone) and `rerun_8k_all_methods` (a later run of
-    every method), labelled with their `code`."""
+    (the same with its 16K bucket re-measured on held-out files alone), `rerun_8k_all_methods` (a later run of
+    every method) and `repeat_lease` (the main run repeated on another lease), labelled with their `code`."""
     def code(run):
         return str(run.get("code", "")).split(" ")[0].rstrip(":,;")
 
@@ -315,7 +315,8 @@ def planner_gain(data: dict):
     runs = [(f"{main} ({code(data)})" if code(data) else main, data["rows"])]
     extra = {"planner_same_class_run": "planner, the fixed policy's class", "planner_rerun": "planner re-run",
              "planner_bf16_profile": "planner, bf16 profile", "planner_heldout_profile": "planner, held-out profile",
-             "planner_two_file_profile": "planner, 16K re-profile", "rerun_8k_all_methods": "all methods re-run"}
+             "planner_two_file_profile": "planner, 16K re-profile", "rerun_8k_all_methods": "all methods re-run",
+             "repeat_lease": "main run, another lease"}
     for key, label in extra.items():
         if key in data:
             c = code(data[key])
