@@ -165,8 +165,8 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc="decode", unit="tok", initial=1)
+    steps = min(chunk_steps, max_new_tokens - 1)  # one chunk shape per generation; `limit` stops the last chunk
     while produced < max_new_tokens and not np.all(np.asarray(done)):
-        steps = min(chunk_steps, max_new_tokens - 1)  # one shape per generation; `limit` stops the last chunk
         cache, tok, done, out, n = _ar_chunk(params, cfg, cache, tok, key, done, eos, produced,
                                              max_new_tokens - produced, steps=steps, temperature=float(temperature),
                                              schedule=schedule, attn=decode_attn)
