@@ -241,8 +241,9 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         projections), which holds a second copy of the target's weights; False slices the stacked weights
         inside the loop instead (about 3x slower per round at 8B shapes, docs/RESULTS.md).
       chunk_rounds: the most rounds per jitted call. Between calls the host reads the results in one transfer,
-        updates progress and lets the planner switch policy. Each call costs ~1.5–2 ms on the H200 that the
-        rounds cannot hide (docs/results/chunk_cost_h200.json); 32 rounds are ~30 ms of the bundled model's.
+        updates progress and lets the planner switch policy. Beyond its rounds a call costs ~0.7 ms (calls
+        back to back) to ~2 ms (synchronised) on the H200, which the rounds cannot hide
+        (docs/results/chunk_cost_h200.json); 32 rounds are ~30 ms of the bundled model's.
     Returns `GenerateResult(tokens [B, n], stats)`; stats: rounds, accepted_per_round (tokens emitted per round:
     accepted drafts + bonus), tau (their mean), policy_trace, prefill_s, decode_s, tokens_per_s.
     """
