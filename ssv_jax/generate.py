@@ -89,11 +89,11 @@ def _ar_chunk(params, cfg: ModelConfig, cache, token, key, done, eos, start=0, l
     before)."""
     B = token.shape[0]
     key = jax.random.fold_in(key, start)
-    limit = steps if limit is None else limit
+    limit = steps if limit is None else jnp.minimum(steps, limit)
 
     def cond(c):
         i, _, _, done, _ = c
-        return (i < steps) & (i < limit) & ~jnp.all(done)
+        return (i < limit) & ~jnp.all(done)
 
     def body(c):
         i, cache, tok, done, out = c

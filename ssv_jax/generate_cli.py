@@ -125,7 +125,7 @@ def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
                 out.append((rel, np.asarray(ids[:n_tokens], np.int32)))
             if len(out) == count:
                 return out
-    if tok is not None and not fill:
+    if not fill:
         return out
     if tok is not None and len(out) < count:
         print(f"only {len(out)} held-out files have {n_tokens} tokens (after skipping {skip}); the other "
