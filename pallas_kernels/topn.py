@@ -4,10 +4,13 @@ The refresh layer's routing picks n = 16 of Nsel selection blocks for every (que
 custom call takes ~69 µs per layer at a 64-node verify over a 64K cache (512 rows x 1088 blocks; traced on the
 H200, `docs/results/verify_trace_64k.json`): 2.2 ms of a 14 ms verify. Here one program holds a tile of rows in
 registers and runs n rounds of (row max, first column at that max, retire that column); the rounds are
-dependent reductions, so the tiling (`_tiling`) is chosen for latency, not bandwidth. Rows wider than
-`MAX_TILE` elements go through two stages: the top-n of each column chunk, then the top-n of those candidates
-(chunks are in column order and each chunk's candidates are in (value desc, index asc) order, so ties still go
-to the lower index).
+dependent reductions, so the tiling (`_tiling`) is chosen for latency, not bandwidth. Rows wider than `MAX_TILE`
+elements go through two stages: the top-n of each column chunk, then the top-n of those candidates (chunks are in
+column order and each chunk's candidates are in (value desc, index asc) order, so ties still go to the lower
+index).
+
+The draft tree's selection, the top k of a log-softmax over the draft vocabulary (`top_n_log_softmax`), forms the
+log-softmax in the same program when a row fits one tile.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ MAX_TILE = 4096  # elements of a row tile held by one program (f32: 32 registers
 _BIG = 2 ** 30
 
 
-def _kernel(s_ref, v_ref, i_ref, *, n: int, m: int):
+def _kernel(s_ref, v_ref, i_ref, *, n: int, m: int, log_softmax: bool):
     s = s_ref[...].astype(jnp.float32)  # [R, Mp]
     col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     slot = jax.lax.broadcasted_iota(jnp.int32, v_ref.shape, 1)
     live = col < m  # padding columns are never picked
+    if log_softmax:  # the whole row is in the tile: its log-sum-exp, formed as jax.nn.log_softmax forms it
+        shifted = s - jnp.max(jnp.where(live, s, -jnp.inf), axis=1, keepdims=True)
+        s = shifted - jnp.log(jnp.sum(jnp.where(live, jnp.exp(shifted), 0.0), axis=1, keepdims=True))
     vals = jnp.full(v_ref.shape, -jnp.inf, jnp.float32)
     idxs = jnp.zeros(i_ref.shape, jnp.int32)
     for k in range(n):
@@ -46,6 +52,11 @@ def _kernel(s_ref, v_ref, i_ref, *, n: int, m: int):
     i_ref[...] = idxs
 
 
+def one_launch(width: int) -> bool:
+    """Whether rows of `width` elements fit one program's tile (one launch; wider rows take two stages)."""
+    return next_pow2(width) <= MAX_TILE
+
+
 def _tiling(rows: int, mp: int) -> tuple[int, int]:
     """(rows per program, warps). Each of the n rounds is two dependent row reductions, so the kernel is
     latency-bound: one row per program until the grid fills the SMs, and as few warps as hold the tile (one warp
@@ -56,14 +67,14 @@ def _tiling(rows: int, mp: int) -> tuple[int, int]:
     return r, min(4, max(1, r * mp // 1024))
 
 
-def _one_stage(x: jax.Array, n: int, interpret: bool, num_warps: int | None):
+def _one_stage(x: jax.Array, n: int, interpret: bool, num_warps: int | None, log_softmax: bool = False):
     rows, m = x.shape
     mp, npad = next_pow2(m), next_pow2(n)
     r, warps = _tiling(rows, mp)
     num_warps = num_warps or warps
     rows_p = -(-rows // r) * r
     x = jnp.pad(x, ((0, rows_p - rows), (0, mp - m)))
-    v, i = pallas(functools.partial(_kernel, n=n, m=m), grid=(rows_p // r,),
+    v, i = pallas(functools.partial(_kernel, n=n, m=m, log_softmax=log_softmax), grid=(rows_p // r,),
                   in_specs=[pl.BlockSpec((r, mp), lambda g: (g, 0))],
                   out_specs=[pl.BlockSpec((r, npad), lambda g: (g, 0))] * 2,
                   out_shape=[jax.ShapeDtypeStruct((rows_p, npad), jnp.float32),
@@ -85,7 +96,7 @@ def top_n(score: jax.Array, n: int, *, interpret: bool = False, num_warps: int |
         raise ValueError(f"n={n} is invalid; accepted: n <= {MAX_TILE // 2}")
     x = score.reshape(-1, m)
     rows = x.shape[0]
-    if next_pow2(m) <= MAX_TILE:
+    if one_launch(m):
         v, i = _one_stage(x, n, interpret, num_warps)
     else:  # chunks of c columns: top-n per chunk, then over the n * chunks candidates
         c = MAX_TILE // 2 if n <= MAX_TILE // 8 else MAX_TILE
@@ -97,6 +108,22 @@ def top_n(score: jax.Array, n: int, *, interpret: bool = False, num_warps: int |
         i = jnp.take_along_axis(i1.reshape(rows, -1), j, axis=1)
     lead_shape = tuple(lead) + (n,)
     return v.astype(score.dtype).reshape(lead_shape), i.reshape(lead_shape)
+
+
+def top_n_log_softmax(logits: jax.Array, n: int, *, interpret: bool = False):
+    """`jax.lax.top_k(jax.nn.log_softmax(logits), n)` over the last axis: (log-probs [..., n] float32, indices
+    [..., n] int32). The draft tree's selection over the draft vocabulary. Rows of at most `MAX_TILE` elements take
+    one launch that also forms the row's log-sum-exp (XLA would run the log-softmax as fusions of its own before
+    its TopK); wider rows take XLA's log-softmax and the two-stage `top_n`."""
+    logits = logits.astype(jnp.float32)
+    *lead, m = logits.shape
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= min(m, MAX_TILE // 2):
+        raise ValueError(f"n={n!r} is invalid for rows of {m} elements; accepted: an int in [1, "
+                         f"{min(m, MAX_TILE // 2)}]")
+    if not one_launch(m):
+        return top_n(jax.nn.log_softmax(logits, axis=-1), n, interpret=interpret)
+    v, i = _one_stage(logits.reshape(-1, m), n, interpret, None, log_softmax=True)
+    return v.reshape(tuple(lead) + (n,)), i.reshape(tuple(lead) + (n,))
 
 
 def route_top_n(score: jax.Array, n: int, *, interpret: bool = False):

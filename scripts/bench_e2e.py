@@ -27,7 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ssv_jax import model as M
-from ssv_jax import timing
+from ssv_jax import speculative, timing
 from ssv_jax.generate import ar_generate
 from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
 from ssv_jax.planner import Planner
@@ -60,11 +60,16 @@ def main(argv=None):
     ap.add_argument("--chunk-rounds", type=int, default=32, help="SSV rounds per jitted call (ssv_generate)")
     ap.add_argument("--chunk-steps", type=int, default=128, help="AR steps per jitted call (ar_generate)")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per method and prompt (the median is kept)")
+    ap.add_argument("--draft-select", choices=["auto", "reference"], default="auto",
+                    help="the draft tree's top-k: the library's choice (speculative.draft_select), or the XLA "
+                         "reference (tree.log_softmax_top_k) everywhere, to A/B the selection kernel")
     ap.add_argument("--out", default="docs/results/e2e_h200.json")
     a = ap.parse_args(argv)
     if a.reps < 1:
         raise SystemExit(f"--reps={a.reps} is invalid; accepted: an integer >= 1")
 
+    if a.draft_select == "reference":  # before any round is traced: every SSV method drafts with XLA's TopK
+        speculative.draft_select = lambda *args, **kw: None
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
                                                  dtype=a.dtype))
     k, d, b = a.tree
@@ -121,7 +126,7 @@ def main(argv=None):
                    jax=jax.__version__, dtype=str(jax.tree.leaves(m.params)[0].dtype),
                    draft_window=m.draft_cfg.window if m.draft_cfg is not None else None,
                    new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
-                   chunk_rounds=a.chunk_rounds, chunk_steps=a.chunk_steps,
+                   chunk_rounds=a.chunk_rounds, chunk_steps=a.chunk_steps, draft_select=a.draft_select,
                    rows=rows, summary=summary,
                    timing=f"host wall clock of the decode loop after a compile run, the median of {a.reps} runs; "
                           "prefill excluded")

@@ -1,7 +1,9 @@
 """Top-n primitives at the shapes the library runs: XLA's TopK (`jax.lax.top_k`), the pairwise-rank top-n
-(`nsa.top_n`, where its pair count allows) and the Pallas `top_n` kernel.
+(`nsa.top_n`, where its pair count allows) and the Pallas `top_n` kernel; and the draft tree's selection, the
+top k of a log-softmax over the draft vocabulary: XLA's log-softmax and TopK (`tree.log_softmax_top_k`) against
+the Pallas `top_n_log_softmax` (one launch up to `topn.MAX_TILE` ids).
 
-    python scripts/bench_topn.py --out docs/results/topn_h200.json
+    python scripts/bench_topn.py --out docs/results/topn_h200.json [--draft-only]
 
 Each figure is the median host wall clock of a jitted loop of `--iters` calls (each call's input depends on the
 loop index, so XLA cannot hoist it), per call.
@@ -16,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.topn import top_n as pallas_top_n
+from pallas_kernels.topn import top_n_log_softmax
 from ssv_jax import nsa
+from ssv_jax.tree import log_softmax_top_k
 from ssv_jax.timing import host_time
 
 SHAPES = (  # (name, rows, width, n)
@@ -29,19 +33,27 @@ SHAPES = (  # (name, rows, width, n)
     ("draft tree, root row over the vocabulary", 1, 128256, 8),
     ("draft tree, frontier rows over the vocabulary", 8, 128256, 8),
 )
+DRAFT_SHAPES = (  # the selection over draft log-probs: (name, rows, width, n)
+    ("draft selection, bundled head, root row over its 2048 draft ids", 1, 2048, 4),
+    ("draft selection, bundled head, 4 frontier rows over its 2048 draft ids", 4, 2048, 4),
+    ("draft selection, 8 frontier rows over EAGLE-3's 32000 draft ids", 8, 32000, 8),
+)
 
 
-def run(iters: int = 50, shapes=SHAPES, log=print) -> list:
-    """One row per shape: us per call of each method and whether it equals `jax.lax.top_k`."""
+def run(iters: int = 50, shapes=SHAPES, draft_shapes=DRAFT_SHAPES, log=print) -> list:
+    """One row per shape: us per call of each method and whether it equals the reference (`jax.lax.top_k`; for
+    the draft selection `tree.log_softmax_top_k`)."""
     interpret = jax.default_backend() == "cpu"
     methods = {"xla_top_k": jax.lax.top_k, "rank_top_n": nsa.top_n,
                "pallas_top_n": lambda s, n: pallas_top_n(s, n, interpret=interpret)}
+    draft_methods = {"xla_log_softmax_top_k": log_softmax_top_k,
+                     "pallas_top_n_log_softmax": lambda s, n: top_n_log_softmax(s, n, interpret=interpret)}
     rows = []
-    for name, r, m, n in shapes:
+    for name, r, m, n, meths in ([s + (methods,) for s in shapes] + [s + (draft_methods,) for s in draft_shapes]):
         score = jax.random.normal(jax.random.key(r * m), (r, m), jnp.float32)
         row = dict(shape=name, rows=r, width=m, n=n)
-        ref = jax.lax.top_k(score, n)[1]
-        for meth, fn in methods.items():
+        ref = next(iter(meths.values()))(score, n)[1]
+        for meth, fn in meths.items():
             if meth == "rank_top_n" and r * m * m > nsa.RANK_TOPK_MAX_PAIRS:
                 continue  # nsa.top_n would fall back to lax.top_k here
 
@@ -53,7 +65,7 @@ def run(iters: int = 50, shapes=SHAPES, log=print) -> list:
 
             same = bool(jnp.all(fn(score, n)[1] == ref))
             row[meth] = dict(us_per_call=round(host_time(jax.jit(loop), score, reps=5) * 1e3 / iters, 2),
-                             equals_lax_top_k=same)
+                             equals_reference=same)
         rows.append(row)
         log(json.dumps(row))
     return rows
@@ -66,9 +78,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default="docs/results/topn_h200.json")
+    ap.add_argument("--draft-only", action="store_true", help="only the draft selection rows (DRAFT_SHAPES)")
     a = ap.parse_args(argv)
+    rows = run(a.iters, shapes=() if a.draft_only else SHAPES)
     res = dict(benchmark="top_n", device=jax.devices()[0].device_kind, jax=jax.__version__, iters=a.iters,
-               rows=run(a.iters), timing=TIMING)
+               rows=rows, timing=TIMING)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=2)
 

@@ -190,33 +190,34 @@ def permute_tree(tree: Tree, perm: jax.Array, inv: jax.Array | None = None) -> T
 StepFn = Callable[[object, int, jax.Array, jax.Array, jax.Array], tuple[object, jax.Array]]
 
 
-def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: jax.Array, root_pos: jax.Array,
+def build_tree_with(step_fn: StepFn, state, root_scores: jax.Array, root_token: jax.Array, root_pos: jax.Array,
                     spec: TreeSpec, d2t: jax.Array | None = None, select=None) -> Tree:
     """The EAGLE-2/3 dynamic tree over any drafter (the head in `build_tree`, toy tables in tests).
 
     Args:
-      step_fn: `(state, level, tokens [B, K], rows [B, K], anc [B, K, E]) -> (state, logp [B, K, Vd])`, called
+      step_fn: `(state, level, tokens [B, K], rows [B, K], anc [B, K, E]) -> (state, scores [B, K, Vd])`, called
         for level = 1 .. depth-1 on the current frontier (K = top_k nodes at depth `level`, target ids `tokens`).
         `rows` are the frontier slots (of the previous call; zeros at level 1 = the root) the nodes descend from,
         `anc` marks, over E = (depth-1)*K in-flight slots, the node's ancestors among earlier frontiers (frontier
-        node r of level l owns slot (l-1)*K + r). `logp` are its draft log-probs for the node's children.
+        node r of level l owns slot (l-1)*K + r). `scores` rank the node's children: draft log-probs, or logits
+        when `select` normalises them.
       state: anything `step_fn` threads through.
-      root_logp: [B, Vd] draft log-probs of the depth-1 tokens.
+      root_scores: [B, Vd] the same for the depth-1 tokens.
       root_token, root_pos: [B] the root's target id and target position T.
       d2t: optional [Vd] draft -> target offsets (None: the ids are already target ids).
-      select: the top-k primitive over the draft vocabulary, `jax.lax.top_k`'s contract (default: it); the GPU
-        rounds pass the Pallas `pallas_kernels.topn.top_n`.
+      select: `(scores [..., Vd], k) -> (log-probs [..., k] fp32, ids [..., k])`, the top k of the draft
+        log-probs that the scores stand for, with `jax.lax.top_k`'s order and ties (default: `jax.lax.top_k`,
+        scores already log-probs). `build_tree` passes logits with `log_softmax_top_k` or its kernel.
     Returns the `Tree` with N = spec.budget nodes in `bfs` order.
     """
     K, L = spec.top_k, spec.depth
-    B, Vd = root_logp.shape
+    B, Vd = root_scores.shape
     if K > Vd:
         raise ValueError(f"TreeSpec.top_k={K} is invalid for a draft vocabulary of {Vd}; accepted: [1, {Vd}]")
     to_t = (lambda i: i) if d2t is None else (lambda i: i + d2t[i])
     E = (L - 1) * K
-    root_logp = root_logp.astype(jnp.float32)
     select = select or jax.lax.top_k
-    s, i = select(root_logp, K)
+    s, i = select(root_scores.astype(jnp.float32), K)
     c_score, c_tok = [s], [to_t(i).astype(jnp.int32)]
     c_parent, c_depth = [jnp.full((B, K), -1, jnp.int32)], [1] * K
     f_tok, f_score, f_cid = c_tok[0], s, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
@@ -224,8 +225,8 @@ def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: ja
     anc = jnp.zeros((B, K, E), bool)
     offset = K
     for level in range(1, L):
-        state, logp = step_fn(state, level, f_tok, rows, anc)
-        s, i = select(logp.astype(jnp.float32), K)  # [B, K, K]
+        state, scores = step_fn(state, level, f_tok, rows, anc)
+        s, i = select(scores.astype(jnp.float32), K)  # [B, K, K]
         cu = (f_score[:, :, None] + s).reshape(B, K * K)
         tok = to_t(i).astype(jnp.int32).reshape(B, K * K)
         c_score.append(cu)
@@ -263,6 +264,12 @@ def build_tree_with(step_fn: StepFn, state, root_logp: jax.Array, root_token: ja
     return Tree(tokens, parents, depth, mask, positions, scores)
 
 
+def log_softmax_top_k(logits: jax.Array, k: int):
+    """The top k of the draft log-probs `log_softmax(logits)` over the last axis, in `jax.lax.top_k`'s order:
+    (log-probs [..., k] fp32, ids [..., k] int32). The reference of the head's selection (`build_tree`)."""
+    return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+
+
 class _HeadState(NamedTuple):
     hidden: jax.Array  # [B, K, H] outputs of the previous step (the root hidden at level 1)
     ext_k: jax.Array  # [B, slots >= E, Hkv, D]: frontier node r of level l at slot (l-1)*K + r
@@ -279,7 +286,8 @@ def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hi
         `draft_extend(...)[0][b, j]` where `next_tokens[b, j] == root_token[b]`; its logits give depth 1.
       root_token: [B] target id of the root (the last sampled token); root_pos: [B] its target position T.
       cache: the head cache with slots 0..T-1 committed (`cache.length == root_pos`).
-      select: the top-k primitive over the draft vocabulary (see `build_tree_with`).
+      select: the top-k of the log-softmax over the draft vocabulary, `log_softmax_top_k`'s contract (the
+        default, the reference); the GPU rounds pass `pallas_kernels.topn.top_n_log_softmax`.
       attention: the head's attention primitive (see `draft.draft_extend`).
     A node at depth k runs the head at head position T + k - 1, attending to the committed cache and its
     in-tree ancestors. Returns a `Tree` with N = spec.budget nodes (bfs order); nothing is committed.
@@ -302,7 +310,7 @@ def build_tree(params: dict, dcfg: DraftConfig, embed: jax.Array | None, root_hi
         mask = jnp.pad(anc, ((0, 0), (0, 0), (0, slots - E))) | own
         out, logits, ek, ev = draft_tree_level(params, dcfg, embed, h_in, tokens, pos, cache, st.ext_k, st.ext_v,
                                                mask, off, attention=attention)
-        return _HeadState(out, ek, ev), jax.nn.log_softmax(logits, axis=-1)
+        return _HeadState(out, ek, ev), logits
 
-    root_logp = jax.nn.log_softmax(draft_logits(params, dcfg, root_hidden), axis=-1)
-    return build_tree_with(step, state, root_logp, root_token, root_pos, spec, d2t=params["d2t"], select=select)
+    return build_tree_with(step, state, draft_logits(params, dcfg, root_hidden), root_token, root_pos, spec,
+                           d2t=params["d2t"], select=select or log_softmax_top_k)

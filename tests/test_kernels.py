@@ -169,6 +169,33 @@ def test_top_n_kernel_keeps_leading_axes_and_dtype():
     np.testing.assert_array_equal(np.asarray(val), np.asarray(ref_val))
 
 
+@pytest.mark.parametrize("rows,width,n,ties", [(4, 2048, 4, False), (1, 2048, 4, True), (3, 100, 7, False),
+                                              (2, 9000, 8, False), (5, 33, 3, True)])
+def test_top_n_log_softmax_equals_top_k_of_the_log_softmax(rows, width, n, ties):
+    """The draft tree's selection: the indices of `jax.lax.top_k(jax.nn.log_softmax(x), n)` in its order (ties to
+    the lower index) and its log-probs, on fresh logits, one launch up to `MAX_TILE` ids (the log-softmax formed
+    in the kernel) and two stages past it. Integer logits make ties."""
+    r = np.random.default_rng()
+    x = r.integers(-3, 4, (rows, width)) if ties else r.normal(0.0, 4.0, (rows, width))
+    x = jnp.asarray(x, jnp.float32)
+    with poison_outputs():
+        val, idx = topn.top_n_log_softmax(x, n, interpret=True)
+    ref_val, ref_idx = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), n)
+    assert val.dtype == jnp.float32 and idx.shape == (rows, n)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    np.testing.assert_allclose(np.asarray(val), np.asarray(ref_val), rtol=1e-6, atol=1e-6)
+
+
+def test_top_n_log_softmax_keeps_leading_axes_and_rejects_a_bad_n():
+    x = jax.random.normal(jax.random.key(np.random.default_rng().integers(1 << 30)), (2, 3, 64), jnp.bfloat16)
+    val, idx = topn.top_n_log_softmax(x, 4, interpret=True)
+    assert val.shape == idx.shape == (2, 3, 4)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(jax.lax.top_k(x, 4)[1]))
+    for bad in (0, 65, 2.0):
+        with pytest.raises(ValueError, match="n="):
+            topn.top_n_log_softmax(x, bad, interpret=True)
+
+
 @pytest.mark.parametrize("n", [0, 11, 2.0])
 def test_top_n_kernel_rejects_a_bad_n(n):
     with pytest.raises(ValueError, match="n="):

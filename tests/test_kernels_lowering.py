@@ -170,9 +170,12 @@ def test_a_drafting_step_lowers_for_cuda_in_one_launch_reading_the_cache_in_plac
     assert "dynamic_slice" not in text
 
 
-def test_drafting_a_tree_is_one_attention_launch_per_level():
+@pytest.mark.parametrize("kernel_select", [False, True])
+def test_drafting_a_tree_is_one_attention_launch_per_level(kernel_select):
     """`build_tree` with the kernel as the head's attention, at the bundled head's shapes (tree 4, 6, 32): the five
-    drafting steps after the root are five Triton launches, and the head cache is never sliced."""
+    drafting steps after the root are five Triton launches, and the head cache is never sliced. With the GPU
+    rounds' selection (`speculative.draft_select`: `top_n_log_softmax` over the 2048 draft ids), the root and each
+    step select in one more launch each, with no XLA TopK left."""
     from pallas_kernels.draft_attention import draft_attention
     from ssv_jax import draft as dr
     from ssv_jax.tree import TreeSpec, build_tree
@@ -186,9 +189,10 @@ def test_drafting_a_tree_is_one_attention_launch_per_level():
 
     def draft(params, embed, hidden, token, pos, cache):
         return build_tree(params, dcfg, embed, hidden, token, pos, cache, TreeSpec(top_k=4, depth=6, budget=32),
-                          attention=draft_attention)
+                          attention=draft_attention, select=topn.top_n_log_softmax if kernel_select else None)
 
     text = lower_for_cuda(draft, params, sds((8192, 512)), sds((1, 512)), sds((1,), jnp.int32),
                           sds((1,), jnp.int32), cache)
-    assert text.count(TRITON) == 5
+    assert text.count(TRITON) == (5 + 6 if kernel_select else 5)
+    assert ("top_k" in text.lower()) != kernel_select
     assert "dynamic_slice" not in text.replace("dynamic_update_slice", "")

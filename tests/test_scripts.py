@@ -364,3 +364,17 @@ def test_round_ops_attributes_traced_ops_to_their_source_lines():
     assert rows["draft._attend:7 < draft.draft_tree_level:40"]["us"] == 8.0
     assert rows["void topk_kernel<4>"]["ops"] == 1.0
     assert res["ops_per_round"] == 4.0 and res["gpu_busy_us_per_round"] == 12.0
+
+
+def test_bench_topn_times_every_primitive_against_its_reference(tmp_path):
+    """Each row times each primitive and records whether its indices equal the reference's (`jax.lax.top_k`, or
+    the top k of the log-softmax for the draft selection); on CPU the kernels run interpreted, and all agree."""
+    rows = _script("bench_topn").run(iters=2, shapes=[("routing", 3, 40, 4)],
+                                     draft_shapes=[("draft", 2, 64, 4), ("wide draft", 1, 5000, 4)],
+                                     log=lambda *_: None)
+    assert [r["shape"] for r in rows] == ["routing", "draft", "wide draft"]
+    assert set(rows[0]) >= {"xla_top_k", "rank_top_n", "pallas_top_n"}
+    assert set(rows[1]) >= {"xla_log_softmax_top_k", "pallas_top_n_log_softmax"}
+    for r in rows:
+        timed = {k: v for k, v in r.items() if isinstance(v, dict)}
+        assert timed and all(v["equals_reference"] and v["us_per_call"] > 0 for v in timed.values())

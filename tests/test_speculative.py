@@ -165,3 +165,17 @@ def test_draft_target_mismatch_is_rejected():
         ssv_generate((CFG, PARAMS, bad, MODEL.draft_params), PROMPT, max_new_tokens=8, policy=SSVPolicy(**TREE))
     with pytest.raises(ValueError, match="draft head"):
         ssv_generate((CFG, PARAMS, None, None), PROMPT, max_new_tokens=8, policy=SSVPolicy(**TREE))
+
+
+def test_the_gpu_rounds_select_draft_tokens_with_the_kernel_where_it_takes_one_launch_or_beats_xla(monkeypatch):
+    """`draft_select` on one GPU: the Pallas `top_n_log_softmax` for a draft vocabulary that fits one tile (the
+    bundled head's 2048 ids) or of at least 32K ids (two stages, measured faster than XLA's TopK); the reference
+    (None) between, on a mesh and on the CPU."""
+    from pallas_kernels.topn import top_n_log_softmax
+
+    assert spec.draft_select(2048) is None  # this machine is a CPU
+    monkeypatch.setattr(spec, "_on_cpu", lambda: False)
+    assert spec.draft_select(2048) is top_n_log_softmax and spec.draft_select(4096) is top_n_log_softmax
+    assert spec.draft_select(8192) is None and spec.draft_select(spec.DRAFT_TOPN_MIN_VOCAB - 1) is None
+    assert spec.draft_select(spec.DRAFT_TOPN_MIN_VOCAB) is top_n_log_softmax
+    assert spec.draft_select(2048, mesh=object()) is None

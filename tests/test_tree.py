@@ -10,7 +10,7 @@ import pytest
 from ssv_jax.config import get_config
 from ssv_jax.draft import (DraftConfig, draft_extend, draft_logits, draft_tree_step, init_draft_cache,
                            init_draft_params)
-from pallas_kernels.topn import top_n
+from pallas_kernels.topn import top_n_log_softmax
 from ssv_jax.tree import (Tree, TreeSpec, build_tree, build_tree_with, flatten_order, lex_order, mask_from_parents,
                           permute_tree, tree_from_parents)
 
@@ -252,11 +252,12 @@ def test_build_tree_structure(head_tree):
 
 
 def test_build_tree_with_the_top_n_kernel_drafts_the_same_tree(head_tree):
-    """The GPU rounds draft with the Pallas top-n kernel (`speculative.draft_select`): the same tree."""
+    """The GPU rounds select with the Pallas kernel (`speculative.draft_select`: `top_n_log_softmax`, the
+    log-softmax formed in the kernel): the same tree, scores included."""
     params, embed, root_h, root_tok, cache, t, _ = head_tree
     fn = jax.jit(build_tree, static_argnums=(1, 7), static_argnames=("select",))
     kt = fn(params, DCFG, embed, root_h, root_tok, cache.length, cache, SPEC,
-            select=functools.partial(top_n, interpret=True))
+            select=functools.partial(top_n_log_softmax, interpret=True))
     for a, b in zip(kt, t):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
