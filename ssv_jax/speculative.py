@@ -70,24 +70,19 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-DRAFT_TOPN_MIN_VOCAB = 32768  # measured gain at 128K ids (two stages); see draft_select for one stage
-
-
 def draft_select(draft_vocab: int, mesh=None):
     """The draft tree's top-k of the log-softmax over the draft vocabulary (`tree.build_tree`'s `select`).
 
-    On one GPU, `pallas_kernels.topn.top_n_log_softmax` where it takes one launch (a row of at most
-    `topn.MAX_TILE` ids: it forms the log-softmax too, in place of XLA's fusions and TopK; the bundled head's
-    2048 ids), or where the two-stage kernel beats XLA's TopK (at least `DRAFT_TOPN_MIN_VOCAB` ids: ~135 µs per
-    call over 128K ids for XLA on the H200, ~31 for the kernel; docs/results/topn_h200.json). Otherwise, and on
-    the CPU and on a mesh (the draft runs replicated there, outside shard_map), the reference
-    `tree.log_softmax_top_k` (None). Both give the same indices."""
+    On one GPU, `pallas_kernels.topn.top_n_log_softmax`: one launch for a row of at most `topn.MAX_TILE` ids (the
+    log-softmax formed in the kernel, in place of XLA's fusions and TopK), else XLA's log-softmax and the
+    two-stage kernel. Against XLA's log-softmax and TopK on the H200 (docs/results/topn_h200.json, µs per call)
+    it took 13 against 17 over the bundled head's 2048 ids (4 rows), 26 against 71 over EAGLE-3's 32000 (8 rows),
+    and the two-stage top-n 30 against 139 over 128K ids. On the CPU and on a mesh (the draft runs replicated
+    there, outside shard_map) the reference `tree.log_softmax_top_k` (None). Both give the same indices."""
     if _on_cpu() or mesh is not None:
         return None
-    from pallas_kernels import topn
-    if draft_vocab >= DRAFT_TOPN_MIN_VOCAB or topn.one_launch(draft_vocab):
-        return topn.top_n_log_softmax
-    return None
+    from pallas_kernels.topn import top_n_log_softmax
+    return top_n_log_softmax
 
 
 def draft_attention_for(mesh=None):
