@@ -75,9 +75,10 @@ def draft_select(draft_vocab: int, mesh=None):
 
     On one GPU, `pallas_kernels.topn.top_n_log_softmax`: one launch for a row of at most `topn.MAX_TILE` ids (the
     log-softmax formed in the kernel, in place of XLA's fusions and TopK), else XLA's log-softmax and the
-    two-stage kernel. Against XLA's log-softmax and TopK on the H200 (docs/results/topn_h200.json, µs per call)
-    it took 13 against 17 over the bundled head's 2048 ids (4 rows), 26 against 71 over EAGLE-3's 32000 (8 rows),
-    and the two-stage top-n 30 against 139 over 128K ids. On the CPU and on a mesh (the draft runs replicated
+    two-stage kernel. Against XLA's log-softmax and TopK on the H200 (µs per call,
+    docs/results/draft_select_ab_h200.json) it took 13 against 17 over the bundled head's 2048 ids (4 rows) and
+    26 against 71 over EAGLE-3's 32000 (8 rows); the two-stage top-n took 30 against XLA's TopK's 139 over 128K
+    ids (topn_h200.json). On the CPU and on a mesh (the draft runs replicated
     there, outside shard_map) the reference `tree.log_softmax_top_k` (None). Both give the same indices."""
     if _on_cpu() or mesh is not None:
         return None
