@@ -83,17 +83,19 @@ def _one_stage(x: jax.Array, n: int, interpret: bool, num_warps: int | None, log
     return v[:rows, :n], i[:rows, :n]
 
 
+def _check_n(n, m: int) -> None:
+    """n must be a Python int in [1, min(m, MAX_TILE / 2)] for rows of m elements."""
+    top = min(m, MAX_TILE // 2)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= top:
+        raise ValueError(f"n={n!r} is invalid for rows of {m} elements; accepted: an int in [1, {top}]")
+
+
 def top_n(score: jax.Array, n: int, *, interpret: bool = False, num_warps: int | None = None):
     """`jax.lax.top_k(score, n)` over the last axis with the same tie rule: returns (values [..., n] in score's
     dtype, indices [..., n] int32). Rows of at most `MAX_TILE` elements take one launch, wider rows two.
     `num_warps` (default: by tile size, see `_tiling`) overrides the warps per program."""
     *lead, m = score.shape
-    if not isinstance(n, int) or isinstance(n, bool):
-        raise ValueError(f"n={n!r} is invalid; accepted: a Python int")
-    if not 1 <= n <= m:
-        raise ValueError(f"n={n} is invalid for rows of {m} elements; accepted: 1 <= n <= {m}")
-    if n > MAX_TILE // 2:
-        raise ValueError(f"n={n} is invalid; accepted: n <= {MAX_TILE // 2}")
+    _check_n(n, m)
     x = score.reshape(-1, m)
     rows = x.shape[0]
     if one_launch(m):
@@ -117,9 +119,7 @@ def top_n_log_softmax(logits: jax.Array, n: int, *, interpret: bool = False):
     its TopK); wider rows take XLA's log-softmax and the two-stage `top_n`."""
     logits = logits.astype(jnp.float32)
     *lead, m = logits.shape
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= min(m, MAX_TILE // 2):
-        raise ValueError(f"n={n!r} is invalid for rows of {m} elements; accepted: an int in [1, "
-                         f"{min(m, MAX_TILE // 2)}]")
+    _check_n(n, m)
     if not one_launch(m):
         return top_n(jax.nn.log_softmax(logits, axis=-1), n, interpret=interpret)
     v, i = _one_stage(logits.reshape(-1, m), n, interpret, None, log_softmax=True)

@@ -48,11 +48,12 @@ def run(iters: int = 50, shapes=SHAPES, draft_shapes=DRAFT_SHAPES, log=print) ->
                "pallas_top_n": lambda s, n: pallas_top_n(s, n, interpret=interpret)}
     draft_methods = {"xla_log_softmax_top_k": log_softmax_top_k,
                      "pallas_top_n_log_softmax": lambda s, n: top_n_log_softmax(s, n, interpret=interpret)}
+    groups = [(shapes, methods, jax.lax.top_k), (draft_shapes, draft_methods, log_softmax_top_k)]
     rows = []
-    for name, r, m, n, meths in ([s + (methods,) for s in shapes] + [s + (draft_methods,) for s in draft_shapes]):
+    for name, r, m, n, meths, reference in [s + (meths, ref) for shp, meths, ref in groups for s in shp]:
         score = jax.random.normal(jax.random.key(r * m), (r, m), jnp.float32)
         row = dict(shape=name, rows=r, width=m, n=n)
-        ref = next(iter(meths.values()))(score, n)[1]
+        ref = reference(score, n)[1]
         for meth, fn in meths.items():
             if meth == "rank_top_n" and r * m * m > nsa.RANK_TOPK_MAX_PAIRS:
                 continue  # nsa.top_n would fall back to lax.top_k here

@@ -70,7 +70,7 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def draft_select(draft_vocab: int, mesh=None):
+def draft_select(mesh=None):
     """The draft tree's top-k of the log-softmax over the draft vocabulary (`tree.build_tree`'s `select`).
 
     On one GPU, `pallas_kernels.topn.top_n_log_softmax`: one launch for a row of at most `topn.MAX_TILE` ids (the
@@ -78,8 +78,8 @@ def draft_select(draft_vocab: int, mesh=None):
     two-stage kernel. Against XLA's log-softmax and TopK on the H200 (µs per call,
     docs/results/draft_select_ab_h200.json) it took 13 against 17 over the bundled head's 2048 ids (4 rows) and
     26 against 71 over EAGLE-3's 32000 (8 rows); the two-stage top-n took 30 against XLA's TopK's 139 over 128K
-    ids (topn_h200.json). On the CPU and on a mesh (the draft runs replicated
-    there, outside shard_map) the reference `tree.log_softmax_top_k` (None). Both give the same indices."""
+    ids (topn_h200.json). On the CPU and on a mesh (the draft runs replicated there, outside shard_map) the
+    reference `tree.log_softmax_top_k` (None). Both give the same indices."""
     if _on_cpu() or mesh is not None:
         return None
     from pallas_kernels.topn import top_n_log_softmax
@@ -106,7 +106,7 @@ def ssv_round(m: SSVModel, policy: SSVPolicy, temperature: float, st: RoundState
     T = st.tcache.length
     draft_attn = draft_attention_for(mesh)
     tree = tr.build_tree(m.draft_params, dcfg, embed, st.root_hidden, st.root_token, T, st.dcache, spec,
-                         select=draft_select(dcfg.draft_vocab, mesh), attention=draft_attn)
+                         select=draft_select(mesh), attention=draft_attn)
     if policy.order != "bfs":
         tree = tr.permute_tree(tree, *tr.flatten_order(tree, policy.order))
     if phase == "draft":
