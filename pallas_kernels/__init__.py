@@ -29,7 +29,6 @@ from .gemv import fused_gemv
 from .grouped_verify import effective_selection, grouped_verify
 from .naive_verify import naive_verify
 from .overlap import merged_sizes, overlap_gamma, synthetic_selection
-from .qkv_prologue import qkv_prologue
 from .refresh_layer import refresh_layer, route_from_kernel, selected_and_window
 from .reuse_layer import reuse_layer
 
@@ -71,10 +70,8 @@ nsa_attention_kernel.reads_layer_views = True  # k, v, kc, vc may be nsa.LayerKV
 nsa_attention_kernel.reads_compressed_views = True
 nsa_attention_kernel.commit_blocks = commit_blocks  # a decode step's prologue and block commit (model.forward)
 nsa_attention_kernel.gemv = fused_gemv  # a decode step's four projections, with their norm, SwiGLU or residual add
-nsa_attention_kernel.qkv_prologue = qkv_prologue  # a tree's norm, q/k/v/gate product, RoPE and gates (forward_tree)
 
 __all__ = ["nsa_attention_kernel", "refresh_layer", "reuse_layer", "grouped_verify", "naive_verify",
-           "compressed_attention", "commit_blocks", "fused_gemv", "qkv_prologue", "decode_refresh_layer",
-           "DecodeQuery",
+           "compressed_attention", "commit_blocks", "fused_gemv", "decode_refresh_layer", "DecodeQuery",
            "draft_attention",
            "overlap_gamma", "merged_sizes", "synthetic_selection", "effective_selection", "poison_outputs", "MODES"]

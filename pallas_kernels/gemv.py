@@ -116,24 +116,21 @@ def _epilogue(accs, res, dt, swiglu: bool):
     return y if res is None else res.astype(jnp.float32) + y
 
 
-def tile_rms_scale(x_ref, K: int, eps: float):
-    """1 / rms of each row of a [M, K] tile of rows ([M, 1] f32), from loads of up to NORM_TILE elements."""
-    m = x_ref.shape[0]
-    nc = dividing_chunk(K, "K", max(16, NORM_TILE // m))
-
-    def sumsq(i, ss):
-        x = x_ref[:, pl.ds(pl.multiple_of(i * nc, nc), nc)].astype(jnp.float32)
-        return ss + jnp.sum(x * x, axis=1)
-    ss = jax.lax.fori_loop(0, K // nc, sumsq, jnp.zeros((m,), jnp.float32))
-    return jax.lax.rsqrt(ss / K + eps)[:, None]
-
-
 def _tile_kernel(x_ref, w_refs, nw_ref, r_ref, o_ref, *, bk: int, n_k: int, eps: float, swiglu: bool, nk: bool):
     """`_kernel` for M in TILE_ROWS: the rows are one [M, bk] tile, the norm a vector of M scales."""
     dt = x_ref.dtype
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     m, bn = o_ref.shape
-    scale = None if nw_ref is None else tile_rms_scale(x_ref, n_k * bk, eps)
+    scale = None
+    if nw_ref is not None:
+        K = n_k * bk
+        nc = dividing_chunk(K, "K", max(16, NORM_TILE // m))
+
+        def sumsq(i, ss):
+            x = x_ref[:, pl.ds(pl.multiple_of(i * nc, nc), nc)].astype(jnp.float32)
+            return ss + jnp.sum(x * x, axis=1)
+        ss = jax.lax.fori_loop(0, K // nc, sumsq, jnp.zeros((m,), jnp.float32))
+        scale = jax.lax.rsqrt(ss / K + eps)[:, None]
 
     def body(i, accs):
         k0 = pl.multiple_of(i * bk, bk)

@@ -26,7 +26,6 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from pallas_kernels import nsa_attention_kernel
 from ssv_jax import model as M
 from ssv_jax import speculative, timing
 from ssv_jax.generate import ar_generate
@@ -61,9 +60,6 @@ def main(argv=None):
     ap.add_argument("--chunk-rounds", type=int, default=32, help="SSV rounds per jitted call (ssv_generate)")
     ap.add_argument("--chunk-steps", type=int, default=128, help="AR steps per jitted call (ar_generate)")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per method and prompt (the median is kept)")
-    ap.add_argument("--qkv-prologue", choices=["auto", "reference"], default="auto",
-                    help="the verify layers' norm + q/k/v/gate + RoPE: the kernel path's `qkv_prologue` where it "
-                         "serves, or XLA's fusions everywhere (an A/B knob)")
     ap.add_argument("--draft-select", choices=["auto", "reference"], default="auto",
                     help="the draft tree's top-k: the library's choice (speculative.draft_select), or the XLA "
                          "reference (tree.log_softmax_top_k) everywhere, to A/B the selection kernel")
@@ -74,8 +70,6 @@ def main(argv=None):
 
     if a.draft_select == "reference":  # before any round is traced: every SSV method drafts with XLA's TopK
         speculative.draft_select = lambda *args, **kw: None
-    if a.qkv_prologue == "reference":  # the same for the verify layers' prologue: XLA's norm, GEMM and RoPE
-        del nsa_attention_kernel.qkv_prologue
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
                                                  dtype=a.dtype))
     k, d, b = a.tree
@@ -133,7 +127,6 @@ def main(argv=None):
                    draft_window=m.draft_cfg.window if m.draft_cfg is not None else None,
                    new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
                    chunk_rounds=a.chunk_rounds, chunk_steps=a.chunk_steps, draft_select=a.draft_select,
-                   qkv_prologue=a.qkv_prologue,
                    rows=rows, summary=summary,
                    timing=f"host wall clock of the decode loop after a compile run, the median of {a.reps} runs; "
                           "prefill excluded")

@@ -38,7 +38,7 @@ SETS = {
 }
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", nargs="+", default=list(SETS), help=f"flag sets to run, of {sorted(SETS)}")
     ap.add_argument("--extra", nargs="*", default=[], help="more sets as name=flags (flags space-separated)")
@@ -50,9 +50,9 @@ def main():
     ap.add_argument("--out", default="decode_xla_flags_sweep.json")
     ap.add_argument("--e2e", action="store_true",
                     help="run scripts/bench_e2e.py with the arguments after `--` instead of the decode step")
-    argv = sys.argv[1:]
+    argv = list(sys.argv[1:] if argv is None else argv)
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
-    a = ap.parse_args(argv[: len(argv) - len(rest) - (1 if "--" in argv else 0)])
+    a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if rest and not a.e2e:
         raise SystemExit("arguments after `--` are bench_e2e.py's; they need --e2e")
     sets = {}

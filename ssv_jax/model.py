@@ -226,7 +226,6 @@ class Ctx(NamedTuple):
     attn: AttnFn
     inv_freq: np.ndarray
     gemv: Callable | None = None  # the backend's fused projection kernel for decode steps (`_projection_kernel`)
-    prologue: Callable | None = None  # the backend's norm + q/k/v/gate + RoPE kernel for a tree's rows
 
 
 def _cmp_params(lp, cfg):
@@ -257,11 +256,6 @@ def _qkvg_product(lp, ctx: Ctx, x):
 def _qkv(lp, ctx: Ctx, x):
     cfg = ctx.cfg
     B, Q, _ = x.shape
-    if ctx.prologue is not None and "w_qkvg" in lp and _shards(lp["w_qkvg"]) == 1 and ctx.prologue.func.serves(
-            x.shape, lp["w_qkvg"].shape, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim):  # all of it in one launch
-        cos, sin = rope_cos_sin(ctx.pos, ctx.inv_freq)
-        return ctx.prologue(x, lp["attn_norm"], lp["w_qkvg"], cos, sin, n_heads=cfg.n_heads,
-                            n_kv_heads=cfg.n_kv_heads, eps=cfg.norm_eps)
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
     if "w_qkvg" in lp:  # fused decode layout (split_layers)
         q, k, v, g = _split_fused(h, lp["w_qkvg"], _qkvg_widths(cfg))
@@ -355,13 +349,6 @@ def _block_commit(attn, cfg: ModelConfig):
     or does not support this config."""
     fn = _backend_kernel(attn, "commit_blocks")
     return fn if fn is not None and fn.func.supports(cfg, cfg.head_dim) else None
-
-
-def _prologue_kernel(attn):
-    """The verify-layer prologue an attention function brings (attribute `qkv_prologue`, e.g. the Pallas
-    kernels': RMSNorm, the fused q/k/v/gate product, RoPE and the gates' sigmoid in one launch for a tree's
-    rows, `_qkv`'s result), or None. Its `serves` says for which shapes the model routes there."""
-    return _backend_kernel(attn, "qkv_prologue")
 
 
 def _projection_kernel(attn):
@@ -524,7 +511,7 @@ def forward_tree(params, cfg: ModelConfig, tree: TreeInputs, cache: kvc.KVCache,
     T = cache.length
     pos = T[:, None] + tree.depth
     ctx = Ctx(cfg, pos, attn, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-              _projection_kernel(attn), _prologue_kernel(attn))  # where they serve the B * N rows (`serves`)
+              _projection_kernel(attn))  # where the kernel serves the B * N rows (`fused_gemv.serves`)
     completes, cidx, from_cache, cache_pos, node_src = _path_block_plan(cfg, T, tree)
     cmask = tree.mask & completes[:, None, :]
 

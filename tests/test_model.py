@@ -231,30 +231,17 @@ def test_decode_weight_layout_gives_the_same_model(fuse, shards):
 
 
 def test_verify_on_the_pallas_kernels_equals_the_reference_verify():
-    """A 16-node tree verified through the Pallas path in the fused layout (interpret mode: the prologue kernel
-    for norm, q/k/v/gate, RoPE and gates, then the refresh and reuse layers and the fused projections) gives the
-    reference verify's logits, features and node K/V, in fp32."""
-    from pallas_kernels.qkv_prologue import serves
+    """A 16-node tree of fresh random shape verified through the Pallas path in the fused layout (interpret mode:
+    the refresh and reuse layers with the tree's keys and per-path blocks, the fused projections) gives the
+    reference verify's logits, features and node K/V in fp32, across a refresh/reuse schedule."""
     from ssv_jax.policy import attention_for
 
-    cfg = CFG.replace(head_dim=32)  # the prologue's half-head tiles need D >= 32
-    params = M.init_params(cfg, jax.random.key(11))
-    split = M.split_layers(params)
-    assert serves((1, 16, cfg.hidden), split["layers"][0]["w_qkvg"].shape, cfg.n_heads, cfg.n_kv_heads,
-                  cfg.head_dim)
     r = np.random.default_rng()
     T = int(r.integers(100, 160))
     parents = [-1] + [int(r.integers(0, i)) for i in range(1, 16)]
-    depth = np.zeros(16, np.int32)
-    mask = np.eye(16, dtype=bool)
-    for i in range(1, 16):
-        depth[i] = depth[parents[i]] + 1
-        mask[i] |= mask[parents[i]]
-    _, _, cache = M.prefill(params, cfg, r.integers(0, cfg.vocab_size, (1, T)), kvc.init_cache(cfg, 1, 256),
-                            chunk=64)
-    tree = M.TreeInputs(jnp.asarray(r.integers(0, cfg.vocab_size, (1, 16)), jnp.int32), jnp.asarray(depth[None]),
-                        jnp.asarray(mask[None]))
-    ref = M.forward_tree(params, cfg, tree, cache, schedule=2)
-    got = M.forward_tree(split, cfg, tree, cache, schedule=2, attn=attention_for("kernel", "A", 1, True))
+    cache, tree, *_ = _prefilled_tree(int(r.integers(1 << 30)), T, parents)
+    ref = M.forward_tree(PARAMS, CFG, tree, cache, schedule=2)
+    got = M.forward_tree(M.split_layers(PARAMS), CFG, tree, cache, schedule=2,
+                         attn=attention_for("kernel", "A", 1, True))
     for name, a, b in zip(("logits", "feats", "node_k", "node_v"), got, ref):
         assert _rel(a, b) <= 1e-5, name

@@ -378,3 +378,25 @@ def test_bench_topn_times_every_primitive_against_its_reference(tmp_path):
     for r in rows:
         timed = {k: v for k, v in r.items() if isinstance(v, dict)}
         assert timed and all(v["equals_reference"] and v["us_per_call"] > 0 for v in timed.values())
+
+
+def test_xla_flag_sweep_runs_bench_e2e_once_per_flag_set_and_records_rejected_flags(tmp_path):
+    """`sweep_xla_flags.py --e2e` runs `bench_e2e.py` with the arguments after `--` in one process per flag set:
+    the default set's summary and rows land in the JSON, and a flag XLA rejects is recorded as that set's error."""
+    out = tmp_path / "sweep.json"
+    _script("sweep_xla_flags").main([
+        "--e2e", "--sets", "default", "--extra", "bogus=--xla_no_such_flag_for_this_test=1", "--timeout", "300",
+        "--out", str(out), "--", "--random-preset", "tiny", "--contexts", "256", "--prompts", "1",
+        "--new-tokens", "4", "--methods", "ar", "--no-split", "--reps", "1"])
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "e2e_xla_flags_sweep" and res["bench_e2e_args"][:2] == ["--random-preset", "tiny"]
+    default = res["runs"]["default"]
+    assert default["flags"] == "" and set(default["summary"]) == {"256/ar"}
+    assert default["summary"]["256/ar"]["tokens_per_s"] > 0 and len(default["rows"]) == 1
+    bogus = res["runs"]["bogus"]
+    assert "summary" not in bogus and "xla_no_such_flag_for_this_test" in bogus["error"]
+
+
+def test_xla_flag_sweep_takes_bench_arguments_only_with_e2e(tmp_path):
+    with pytest.raises(SystemExit, match="need --e2e"):
+        _script("sweep_xla_flags").main(["--out", str(tmp_path / "x.json"), "--", "--contexts", "256"])
