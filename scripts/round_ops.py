@@ -10,6 +10,12 @@ rounds run, host ms per round). `attribute` joins each traced op with the HLO in
 writes `fusion_12` for `fusion.12`) and its stack frames, and sums ops and µs per round by the innermost `depth`
 frames in this repository (function:line), the launch-count map that `profile_round.py`'s top-op list lacks. The
 HLO is large (MBs); the JSON keeps the attribution only.
+
+    python scripts/round_ops.py stages docs/results/round_ops_15k_h200.json
+
+`stages` sums an attribution's rows by stage of the round (`STAGES`: drafting, verify attention, verify
+projections and norms, per-path blocks, accept and commit, top-n kernels, loop and copies): where the round's
+device time goes. `attribute` writes that summary too (`by_stage`).
 """
 
 from __future__ import annotations
@@ -63,6 +69,48 @@ def _chain(frame, files, funcs, locs, frames, keep):
     return out
 
 
+# Stages of a round, in the order a source chain (`attribute`'s "inner < outer" frames, or a kernel's name) is
+# tested against them: the first stage with a matching frame wins, so the head's own projections inside
+# `draft_extend` count as committing, and `_common` helpers as the kernel that calls them.
+STAGES = (
+    ("accept and commit", ("draft.draft_extend", "model.commit_tree", "acceptance.", "cache.", "model.cmp_layer")),
+    ("drafting", ("tree.", "draft.", "draft_attention")),
+    ("per-path blocks", ("model.path_blocks", "model._path_block_plan")),
+    ("verify attention", ("reuse_layer", "refresh_layer", "grouped_verify", "compressed", "groups.", "nsa.",
+                          "_common.")),
+    ("verify projections and norms", ("fused_gemv", "qkv_prologue", "model.")),  # qkv_prologue: 9deb952 only
+)
+INNER_STAGES = (  # tested on the innermost frame only, after STAGES
+    ("accept and commit", ("speculative.ssv_round",)),  # the round's own acceptance bookkeeping
+    # our top-n kernel serves the drafting's selection and the refresh layers' routing under one name; XLA's TopK
+    # kernel (the drafting's selection without it) has no source frame
+    ("top-n kernels (drafting and routing)", ("top_n", "void stream_executor::cuda::Run<")),
+    ("loop and copies", ("speculative.", "Memcpy", "memcpy", "loop_")),
+)
+
+
+def stage_of(source: str) -> str:
+    """The stage (`STAGES`, `INNER_STAGES`, else "other") of an attribution row's source."""
+    frames = source.split(" < ")
+    for name, prefixes in STAGES:
+        if any(f.startswith(prefixes) for f in frames):
+            return name
+    for name, prefixes in INNER_STAGES:
+        if frames[0].startswith(prefixes):
+            return name
+    return "other"
+
+
+def by_stage(rows) -> list:
+    """Ops and µs per round of each stage from `attribute`'s by_source rows, most µs first."""
+    acc = collections.defaultdict(lambda: [0.0, 0.0])
+    for r in rows:
+        a = acc[stage_of(r["source"])]
+        a[0] += r["ops"]
+        a[1] += r["us"]
+    return [dict(stage=k, ops=round(c, 2), us=round(u, 2)) for k, (c, u) in sorted(acc.items(), key=lambda kv: -kv[1][1])]
+
+
 def attribute(hlo_text: str, trace: dict, depth: int = 2, keep=("ssv_jax/", "pallas_kernels/")) -> dict:
     """Ops and µs per round by source chain (innermost `depth` frames); ops whose HLO instruction carries no frame
     in `keep` (library kernels such as XLA's TopK, memcpys) are listed under their own name."""
@@ -90,7 +138,7 @@ def attribute(hlo_text: str, trace: dict, depth: int = 2, keep=("ssv_jax/", "pal
             for k, (c, u, p) in sorted(by.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))]
     return dict(rounds=rounds, host_ms_per_round=trace.get("host_ms_per_round"),
                 ops_per_round=round(sum(r["ops"] for r in rows), 2), gpu_busy_us_per_round=round(
-                    sum(r["us"] for r in rows), 2), by_source=rows)
+                    sum(r["us"] for r in rows), 2), by_stage=by_stage(rows), by_source=rows)
 
 
 def capture(a) -> None:
@@ -131,6 +179,35 @@ def capture(a) -> None:
           f"{sum(c for _, c in trace['ops'].values()) / max(n, 1):.1f} GPU ops/round")
 
 
+def _runs(obj, label=""):
+    """(label, attribution) of every attribution nested in a JSON object (one with `by_source` rows)."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("by_source"), list):
+            yield label, obj
+            return
+        for k, v in obj.items():
+            yield from _runs(v, f"{label}/{k}" if label else k)
+
+
+def stages(paths) -> dict:
+    """Print and return {file: {run: by_stage rows}} for the attributions in the given JSON files."""
+    out = {}
+    for path in paths:
+        with open(path) as f:
+            runs = list(_runs(json.load(f)))
+        if not runs:
+            raise SystemExit(f"{path} holds no attribution (an object with by_source rows); accepted: a file that "
+                             f"`round_ops.py attribute --out` wrote, or one that nests such runs")
+        out[path] = {}
+        for label, r in runs:
+            rows = by_stage(r["by_source"])
+            out[path][label] = rows
+            print(f"{path} {label}: {r['ops_per_round']} ops, {r['gpu_busy_us_per_round']} us a round")
+            for row in rows:
+                print(f"  {row['us']:7.1f} us {row['ops']:6.1f} ops  {row['stage']}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -144,7 +221,11 @@ def main(argv=None):
     t.add_argument("--raw-dir", required=True, nargs="+", help="one or more capture folders")
     t.add_argument("--depth", type=int, default=2, help="frames of the source chain to group by")
     t.add_argument("--out", default=None)
+    g = sub.add_parser("stages", help="ops and µs per round by stage, from attribution JSONs")
+    g.add_argument("json", nargs="+", help="files `attribute --out` wrote (or that nest such runs)")
     a = ap.parse_args(argv)
+    if a.cmd == "stages":
+        return stages(a.json)
     if a.cmd == "capture":
         if a.context < 1 or a.rounds < 1:
             raise SystemExit(f"--context={a.context} / --rounds={a.rounds} are invalid; accepted: integers >= 1")

@@ -364,6 +364,7 @@ def test_round_ops_attributes_traced_ops_to_their_source_lines():
     assert rows["draft._attend:7 < draft.draft_tree_level:40"]["us"] == 8.0
     assert rows["void topk_kernel<4>"]["ops"] == 1.0
     assert res["ops_per_round"] == 4.0 and res["gpu_busy_us_per_round"] == 12.0
+    assert res["by_stage"] == [dict(stage="drafting", ops=3.0, us=8.0), dict(stage="other", ops=1.0, us=4.0)]
 
 
 def test_bench_topn_times_every_primitive_against_its_reference(tmp_path):
@@ -400,3 +401,40 @@ def test_xla_flag_sweep_runs_bench_e2e_once_per_flag_set_and_records_rejected_fl
 def test_xla_flag_sweep_takes_bench_arguments_only_with_e2e(tmp_path):
     with pytest.raises(SystemExit, match="need --e2e"):
         _script("sweep_xla_flags").main(["--out", str(tmp_path / "x.json"), "--", "--contexts", "256"])
+
+
+def test_round_ops_stages_sum_an_attribution_by_stage_of_the_round(tmp_path, capsys):
+    """Each source chain lands in one stage: the head's projections inside `draft_extend` count as committing, a
+    `_common` helper as the kernel that calls it, a kernel known only by name by that name, the round's own
+    bookkeeping as accept and commit, unknown names as other. `stages` finds attributions nested in a JSON and
+    its sums keep every op and µs."""
+    ro = _script("round_ops")
+    cases = {"draft._qkv:248 < draft.draft_extend:385": "accept and commit",
+             "draft._finish:348 < draft.draft_tree_level:437": "drafting",
+             "_common.combine:261 < draft_attention.draft_attention:139": "drafting",
+             "_common.gate:278 < reuse_layer.reuse_layer:53": "verify attention",
+             "model.path_blocks:529 < model.layer:540": "per-path blocks",
+             "model._mm:76 < model._split_fused:173": "verify projections and norms",
+             "fused_gemv__2": "verify projections and norms",
+             "model.forward_tree:524 < speculative.ssv_round:117": "verify projections and norms",
+             "speculative.ssv_round:136 < speculative.body:164": "accept and commit",
+             "top_n__1": "top-n kernels (drafting and routing)",
+             "MemcpyD2H": "loop and copies",
+             "input_reduce_fusion_9": "other"}
+    for source, stage in cases.items():
+        assert ro.stage_of(source) == stage, source
+    rng = np.random.default_rng()
+    rows = [dict(source=s, ops=float(rng.integers(1, 9)), us=float(rng.uniform(1, 50))) for s in cases]
+    run = dict(ops_per_round=sum(r["ops"] for r in rows), gpu_busy_us_per_round=sum(r["us"] for r in rows),
+               by_source=rows)
+    path = tmp_path / "ops.json"
+    path.write_text(json.dumps({"runs": {"a": run}}))
+    (got,) = ro.main(["stages", str(path)])[str(path)].values()
+    assert len(got) == len(set(cases.values()))
+    assert sum(r["ops"] for r in got) == pytest.approx(run["ops_per_round"], abs=0.05)  # rows keep 2 decimals
+    assert sum(r["us"] for r in got) == pytest.approx(run["gpu_busy_us_per_round"], abs=0.05)
+    assert [r["us"] for r in got] == sorted((r["us"] for r in got), reverse=True)
+    assert "runs/a" in capsys.readouterr().out
+    (tmp_path / "none.json").write_text("{}")
+    with pytest.raises(SystemExit, match="holds no attribution"):
+        ro.main(["stages", str(tmp_path / "none.json")])
