@@ -31,6 +31,9 @@ Each figure is drawn only when all of its JSON files exist; one line per figure 
       python scripts/bench_e2e.py --checkpoint checkpoints/ssv-small --contexts 4096 8192 16384 \
           --out docs/results/e2e_h200.json
   End-to-end tokens/s and speedup over AR against context, per method.
+- round_stages.png        round_ops_15k_h200.json, verify_prologue_h200.json
+      python scripts/round_ops.py capture ... then attribute (the JSONs' "command"s)
+  The bundled round's device time per stage (`round_ops.STAGES`), one bar per traced capture.
 
 Every plot function takes the loaded JSON dict(s) and returns a matplotlib Figure, so notebooks can call them.
 """
@@ -366,6 +369,34 @@ def group_size_e2e(prof: dict):
     return fig
 
 
+def round_stages(*captures: dict):
+    """round_ops_15k_h200.json, verify_prologue_h200.json (round_ops.py attribute): one horizontal bar per traced
+    round (labelled by its run and its JSON's benchmark), its device µs stacked by stage of the round
+    (`round_ops.stage_of`), ops per round at the bar's end."""
+    from round_ops import attributions, by_stage
+
+    runs = [(f"{label.split('/')[-1]}\n({data.get('benchmark', '')})", r) for data in captures
+            for label, r in attributions(data)]
+    stages = [s["stage"] for s in by_stage([row for _, r in runs for row in r["by_source"]])]
+    fig, ax = plt.subplots(figsize=(9.6, 0.6 * len(runs) + 2.2))
+    for i, (label, r) in enumerate(runs):
+        us = {s["stage"]: s["us"] for s in by_stage(r["by_source"])}
+        left = 0.0
+        for j, st in enumerate(stages):
+            ax.barh(i, us.get(st, 0.0), left=left, color=f"C{j}", label=st if i == 0 else None)
+            left += us.get(st, 0.0)
+        ax.text(left + 8, i, f"{r['ops_per_round']:.0f} ops", va="center", fontsize=7)
+    ax.set_yticks(range(len(runs)), [label for label, _ in runs], fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="device µs per round (traced GPU ops)", xlim=(0, 1.15 * max(r["gpu_busy_us_per_round"]
+                                                                          for _, r in runs)))
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    fig.suptitle("the SSV round's device time by stage, bundled model at 14.8K, H200")
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("roofline.png", roofline, ["kernels_h200.json"]),
     ("decode_layouts.png", decode_layouts, ["decode_profile_h200.json", "ar_8b_h200.json"]),
@@ -377,6 +408,7 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("routing_share.png", routing_share, ["kernels_h200.json"]),
     ("planner_gain.png", planner_gain, ["e2e_h200.json"]),
     ("group_size_e2e.png", group_size_e2e, ["group_size_e2e_h200.json"]),
+    ("round_stages.png", round_stages, ["round_ops_15k_h200.json", "verify_prologue_h200.json"]),
 ]
 
 

@@ -179,14 +179,14 @@ def capture(a) -> None:
           f"{sum(c for _, c in trace['ops'].values()) / max(n, 1):.1f} GPU ops/round")
 
 
-def _runs(obj, label=""):
+def attributions(obj, label=""):
     """(label, attribution) of every attribution nested in a JSON object (one with `by_source` rows)."""
     if isinstance(obj, dict):
         if isinstance(obj.get("by_source"), list):
             yield label, obj
             return
         for k, v in obj.items():
-            yield from _runs(v, f"{label}/{k}" if label else k)
+            yield from attributions(v, f"{label}/{k}" if label else k)
 
 
 def stages(paths) -> dict:
@@ -194,7 +194,7 @@ def stages(paths) -> dict:
     out = {}
     for path in paths:
         with open(path) as f:
-            runs = list(_runs(json.load(f)))
+            runs = list(attributions(json.load(f)))
         if not runs:
             raise SystemExit(f"{path} holds no attribution (an object with by_source rows); accepted: a file that "
                              f"`round_ops.py attribute --out` wrote, or one that nests such runs")
