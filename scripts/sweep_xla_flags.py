@@ -47,7 +47,8 @@ def main(argv=None):
     ap.add_argument("--capacity", type=int, default=8448)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--timeout", type=int, default=150, help="seconds per flag set")
-    ap.add_argument("--out", default="decode_xla_flags_sweep.json")
+    ap.add_argument("--out", default=None,
+                    help="the JSON to write (default decode_xla_flags_sweep.json, or e2e_xla_flags_sweep.json with --e2e)")
     ap.add_argument("--e2e", action="store_true",
                     help="run scripts/bench_e2e.py with the arguments after `--` instead of the decode step")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -95,7 +96,7 @@ def main(argv=None):
     else:
         res = {"benchmark": "decode_step_xla_flags_sweep", "layers": a.layers, "context": a.context,
                "capacity": a.capacity, "steps": a.steps, "runs": results}
-    with open(a.out, "w") as f:
+    with open(a.out or f"{'e2e' if a.e2e else 'decode'}_xla_flags_sweep.json", "w") as f:
         json.dump(res, f, indent=2)
 
 
