@@ -108,7 +108,8 @@ def by_stage(rows) -> list:
         a = acc[stage_of(r["source"])]
         a[0] += r["ops"]
         a[1] += r["us"]
-    return [dict(stage=k, ops=round(c, 2), us=round(u, 2)) for k, (c, u) in sorted(acc.items(), key=lambda kv: -kv[1][1])]
+    ranked = sorted(acc.items(), key=lambda kv: -kv[1][1])
+    return [dict(stage=k, ops=round(c, 2), us=round(u, 2)) for k, (c, u) in ranked]
 
 
 def attribute(hlo_text: str, trace: dict, depth: int = 2, keep=("ssv_jax/", "pallas_kernels/")) -> dict:

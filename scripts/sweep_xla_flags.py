@@ -47,8 +47,8 @@ def main(argv=None):
     ap.add_argument("--capacity", type=int, default=8448)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--timeout", type=int, default=150, help="seconds per flag set")
-    ap.add_argument("--out", default=None,
-                    help="the JSON to write (default decode_xla_flags_sweep.json, or e2e_xla_flags_sweep.json with --e2e)")
+    ap.add_argument("--out", default=None, help="the JSON to write (default decode_xla_flags_sweep.json, or "
+                                                 "e2e_xla_flags_sweep.json with --e2e)")
     ap.add_argument("--e2e", action="store_true",
                     help="run scripts/bench_e2e.py with the arguments after `--` instead of the decode step")
     argv = list(sys.argv[1:] if argv is None else argv)
