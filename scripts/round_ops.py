@@ -16,6 +16,14 @@ HLO is large (MBs); the JSON keeps the attribution only.
 `stages` sums an attribution's rows by stage of the round (`STAGES`: drafting, verify attention, verify
 projections and norms, per-path blocks, accept and commit, top-n kernels, loop and copies): where the round's
 device time goes. `attribute` writes that summary too (`by_stage`).
+
+    python scripts/round_ops.py ceiling --e2e docs/results/e2e_h200.json --context 15712 \
+        --ops docs/results/verify_prologue_h200.json --run round_ops/runs/xla \
+        --levels docs/results/tree_width_h200.json --target 3.5
+
+`ceiling` asks what a speed-up `--target` over AR would take, from measured figures only (`ceiling()`): the e2e
+run's AR ms a token, the fixed policy's ms a round and tau; the attribution's drafting device time; and the
+wall cost of one more drafted level, from a profile with two depths of the fixed policy's top-k and budget.
 """
 
 from __future__ import annotations
@@ -209,6 +217,87 @@ def stages(paths) -> dict:
     return out
 
 
+def ceiling(ar_ms: float, round_ms: float, tau: float, depth: int, draft_us: float, level_ms: float,
+            target: float = 3.5, max_depth: int = 16) -> dict:
+    """Speed-ups over AR under two bounds that favour SSV, from measured figures.
+
+    - `verify_as_cheap_as_ar`: the round costs one AR step plus its drafting's device time, nothing else
+      (verification, acceptance and commit for free beyond what an AR step costs; drafting without launch gaps);
+      `draft_needed_ms` is the drafting time that would reach `target` at the measured tau under that bound.
+    - `perfect_head`: every drafted token accepted (tau = depth + 1) at the measured round cost, each extra level
+      adding `level_ms`; `perfect_head_depth_needed` is the first depth that reaches `target` (None up to
+      `max_depth`).
+    `round_needed_ms` is the round that would reach `target` at the measured tau."""
+    for name, v in dict(ar_ms=ar_ms, round_ms=round_ms, tau=tau, draft_us=draft_us, target=target).items():
+        if not v > 0:
+            raise ValueError(f"{name}={v!r} is invalid; accepted: a number > 0")
+    if level_ms < 0 or depth < 1:
+        raise ValueError(f"level_ms={level_ms!r} / depth={depth!r} are invalid; accepted: level_ms >= 0, depth >= 1")
+    perfect = [dict(depth=d, round_ms=round_ms + level_ms * (d - depth),
+                    speedup=(d + 1) * ar_ms / (round_ms + level_ms * (d - depth))) for d in range(depth, max_depth + 1)]
+    return dict(ar_ms=ar_ms, round_ms=round_ms, tau=tau, depth=depth, draft_us=draft_us, level_ms=level_ms,
+                target=target, measured=tau * ar_ms / round_ms, round_needed_ms=tau * ar_ms / target,
+                verify_as_cheap_as_ar=tau * ar_ms / (ar_ms + draft_us / 1e3),
+                draft_needed_ms=ar_ms * (tau / target - 1), perfect_head=perfect,
+                perfect_head_depth_needed=next((p["depth"] for p in perfect if p["speedup"] >= target), None))
+
+
+def _e2e_figures(path: str, context: int) -> dict:
+    """AR ms a token, and the fixed policy's ms a round, tau and depth, over the prompts of an e2e JSON's top-level
+    rows at `context` (decode time over rounds, summed over prompts)."""
+    with open(path) as f:
+        rows = [r for r in json.load(f).get("rows", []) if r.get("context") == context]
+    ar, ssv = ([r for r in rows if r["method"] == m] for m in ("ar", "ssv"))
+    if not ar or not ssv:
+        raise SystemExit(f"{path} has no 'ar' and 'ssv' rows at context {context}; accepted: a bench_e2e.py output "
+                         f"that ran both there")
+    depths = {int(re.search(r"depth=(\d+)", r["policy"]).group(1)) for r in ssv}
+    if len(depths) != 1:
+        raise SystemExit(f"{path}: the ssv rows at {context} ran depths {sorted(depths)}; accepted: one fixed policy")
+    per = lambda rs: 1e3 * sum(r["decode_s"] for r in rs) / sum(r["rounds"] for r in rs)  # noqa: E731
+    return dict(ar_ms=per(ar), round_ms=per(ssv), depth=depths.pop(),
+                tau=sum(r["tau"] * r["rounds"] for r in ssv) / sum(r["rounds"] for r in ssv))
+
+
+def _level_ms(path: str, policy: str) -> float:
+    """Wall ms of one more drafted level: the round-cost slope between the two shallowest depths that a profile
+    JSON ran with `policy`'s top-k and budget (and its other settings)."""
+    key = re.sub(r"depth=\d+", "depth=?", policy)
+    from ssv_jax.policy import SSVPolicy
+    with open(path) as f:
+        rows = [r for rs in json.load(f)["buckets"].values() for r in rs]
+    pts = sorted({(r["policy"]["depth"], r["round_ms"]) for r in rows
+                  if re.sub(r"depth=\d+", "depth=?", SSVPolicy.from_dict(r["policy"]).describe()) == key})
+    if len({d for d, _ in pts}) < 2:
+        raise SystemExit(f"{path} has fewer than two depths of {key}; accepted: a profile_policies.py output "
+                         f"with two trees that differ in depth alone")
+    (d0, r0), (d1, r1) = pts[0], next(p for p in pts if p[0] != pts[0][0])
+    return (r1 - r0) / (d1 - d0)
+
+
+def ceiling_cli(a) -> dict:
+    fig = _e2e_figures(a.e2e, a.context)
+    with open(a.e2e) as f:
+        policy = json.load(f)["fixed_policy"]
+    with open(a.ops) as f:
+        runs = dict(attributions(json.load(f)))
+    if a.run not in runs:
+        raise SystemExit(f"--run={a.run!r} is not an attribution in {a.ops}; accepted: {sorted(runs)}")
+    draft = next(r["us"] for r in by_stage(runs[a.run]["by_source"]) if r["stage"] == "drafting")
+    res = ceiling(fig["ar_ms"], fig["round_ms"], fig["tau"], fig["depth"], draft, _level_ms(a.levels, policy),
+                  a.target)
+    res["sources"] = dict(e2e=a.e2e, context=a.context, ops=a.ops, run=a.run, levels=a.levels, policy=policy)
+    print(f"AR {res['ar_ms']:.4f} ms/token; SSV {res['round_ms']:.4f} ms/round at tau {res['tau']:.2f} "
+          f"(depth {res['depth']}): {res['measured']:.2f}x")
+    print(f"{a.target}x at tau {res['tau']:.2f} needs a round of {res['round_needed_ms']:.4f} ms")
+    print(f"round = one AR step + drafting's {draft:.1f} us of device time: {res['verify_as_cheap_as_ar']:.2f}x; "
+          f"{a.target}x would need drafting <= {1e3 * res['draft_needed_ms']:.1f} us")
+    print(f"every drafted token accepted, {1e3 * res['level_ms']:.1f} us a level: "
+          + ", ".join(f"depth {p['depth']} {p['speedup']:.2f}x" for p in res["perfect_head"][:7])
+          + f"; {a.target}x from depth {res['perfect_head_depth_needed']}")
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -224,9 +313,23 @@ def main(argv=None):
     t.add_argument("--out", default=None)
     g = sub.add_parser("stages", help="ops and µs per round by stage, from attribution JSONs")
     g.add_argument("json", nargs="+", help="files `attribute --out` wrote (or that nest such runs)")
+    e = sub.add_parser("ceiling", help="what a target speed-up over AR would take, from measured figures")
+    e.add_argument("--e2e", required=True, help="a bench_e2e.py JSON with 'ar' and 'ssv' rows at --context")
+    e.add_argument("--context", type=int, required=True)
+    e.add_argument("--ops", required=True, help="a JSON holding round attributions (`attribute --out`)")
+    e.add_argument("--run", required=True, help="the attribution's label in --ops, as `stages` prints it")
+    e.add_argument("--levels", required=True, help="a profile_policies.py JSON with two depths of the fixed tree")
+    e.add_argument("--target", type=float, default=3.5)
+    e.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.cmd == "stages":
         return stages(a.json)
+    if a.cmd == "ceiling":
+        res = ceiling_cli(a)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return res
     if a.cmd == "capture":
         if a.context < 1 or a.rounds < 1:
             raise SystemExit(f"--context={a.context} / --rounds={a.rounds} are invalid; accepted: integers >= 1")

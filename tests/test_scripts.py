@@ -367,6 +367,68 @@ def test_round_ops_attributes_traced_ops_to_their_source_lines():
     assert res["by_stage"] == [dict(stage="drafting", ops=3.0, us=8.0), dict(stage="other", ops=1.0, us=4.0)]
 
 
+def test_round_ops_ceiling_bounds_what_a_target_speedup_over_ar_would_take():
+    """Both bounds favour SSV: charging the round only one AR step plus its drafting, or accepting every drafted
+    token, never reads below the measured speed-up when the measured round costs at least that much; the round,
+    drafting time and depth they name reach the target exactly or first."""
+    ro = _script("round_ops")
+    rng = np.random.default_rng()
+    for _ in range(20):
+        ar, draft_us, depth = rng.uniform(0.1, 1.0), rng.uniform(10, 500), int(rng.integers(1, 9))
+        rnd = ar + draft_us / 1e3 + rng.uniform(0, 1.0)
+        tau, level, target = rng.uniform(1, depth + 1), rng.uniform(0, 0.2), rng.uniform(1.5, 5)
+        c = ro.ceiling(ar, rnd, tau, depth, draft_us, level, target)
+        assert c["measured"] == pytest.approx(tau * ar / rnd)
+        assert c["verify_as_cheap_as_ar"] >= c["measured"] and c["perfect_head"][0]["speedup"] >= c["measured"]
+        assert c["round_needed_ms"] * target == pytest.approx(tau * ar)
+        assert tau * ar / (ar + c["draft_needed_ms"]) == pytest.approx(target)
+        d = c["perfect_head_depth_needed"]
+        reach = [p["depth"] for p in c["perfect_head"] if p["speedup"] >= target]
+        assert d == (reach[0] if reach else None)
+    c = ro.ceiling(0.4, 1.0, 5.0, 6, 200.0, 0.05, 3.5)
+    assert [p["depth"] for p in c["perfect_head"][:5]] == [6, 7, 8, 9, 10]
+    assert c["perfect_head"][3]["speedup"] == pytest.approx(10 * 0.4 / 1.15) and c["perfect_head_depth_needed"] == 10
+    with pytest.raises(ValueError, match="tau=0"):
+        ro.ceiling(0.4, 1.0, 0, 6, 200.0, 0.05)
+
+
+def test_round_ops_ceiling_reads_its_figures_from_the_benchmark_files(tmp_path, capsys):
+    """AR ms a token and the round's ms and tau come from the e2e rows at the context (decode time over rounds,
+    over all prompts), the drafting µs from the named attribution's drafting stage, and the cost of a level from
+    the profile's two depths of the fixed tree; a missing run or a profile with one depth is refused by name."""
+    from ssv_jax.policy import SSVPolicy
+    ro = _script("round_ops")
+    fixed = SSVPolicy(top_k=4, depth=6, budget=32, order="dfs", schedule=4, precision="strict", backend="kernel")
+    rows = [dict(context=99, method="ar", decode_s=0.04, rounds=100, tau=1.0, policy=None),
+            dict(context=99, method="ar", decode_s=0.02, rounds=50, tau=1.0, policy=None),
+            dict(context=99, method="ssv", decode_s=0.02, rounds=20, tau=5.0, policy=fixed.describe()),
+            dict(context=99, method="ssv", decode_s=0.03, rounds=30, tau=4.0, policy=fixed.describe()),
+            dict(context=7, method="ar", decode_s=9.0, rounds=1, tau=1.0, policy=None)]
+    (tmp_path / "e2e.json").write_text(json.dumps(dict(fixed_policy=fixed.describe(), rows=rows)))
+    src = [dict(source="draft._finish:348 < draft.draft_tree_level:437", ops=10.0, us=120.0),
+           dict(source="tree.step:306 < tree.build_tree_with:228", ops=2.0, us=30.0),
+           dict(source="fused_gemv", ops=8.0, us=500.0)]
+    (tmp_path / "ops.json").write_text(json.dumps({"runs": {"x": dict(by_source=src)}}))
+    prof = [dict(policy=fixed.replace(depth=d).to_dict(), tokens_per_s=1.0, tau=1.0, round_ms=r)
+            for d, r in ((6, 1.0), (8, 1.5), (7, 1.06))]
+    prof.append(dict(policy=fixed.replace(depth=5, top_k=8).to_dict(), tokens_per_s=1.0, tau=1.0, round_ms=0.1))
+    (tmp_path / "prof.json").write_text(json.dumps(dict(buckets={"16K": prof})))
+    args = ["ceiling", "--e2e", str(tmp_path / "e2e.json"), "--context", "99", "--ops", str(tmp_path / "ops.json"),
+            "--levels", str(tmp_path / "prof.json"), "--out", str(tmp_path / "c.json")]
+    res = ro.main(args + ["--run", "runs/x"])
+    want = ro.ceiling(0.4, 1.0, 4.4, 6, 150.0, 0.06, 3.5)  # the two shallowest depths: 1.06 - 1.0
+    scalars = [k for k, v in want.items() if isinstance(v, float)]
+    assert {k: res[k] for k in scalars} == pytest.approx({k: want[k] for k in scalars})
+    assert [p["speedup"] for p in res["perfect_head"]] == pytest.approx([p["speedup"] for p in want["perfect_head"]])
+    assert json.loads((tmp_path / "c.json").read_text())["sources"]["run"] == "runs/x"
+    assert "needs a round of" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="runs/x"):
+        ro.main(args + ["--run", "runs/y"])
+    (tmp_path / "prof.json").write_text(json.dumps(dict(buckets={"16K": prof[:1]})))
+    with pytest.raises(SystemExit, match="fewer than two depths"):
+        ro.main(args + ["--run", "runs/x"])
+
+
 def test_bench_topn_times_every_primitive_against_its_reference(tmp_path):
     """Each row times each primitive and records whether its indices equal the reference's (`jax.lax.top_k`, or
     the top k of the log-softmax for the draft selection); on CPU the kernels run interpreted, and all agree."""
