@@ -310,8 +310,8 @@ def planner_gain(data: dict):
     class), `planner_rerun` (a later run of the planner), `planner_bf16_profile` (the planner on a later profile),
     `planner_heldout_profile` (on a profile of other prompts than the benchmark's), `planner_two_file_profile`
     (the same with its 16K bucket re-measured on held-out files alone), `rerun_8k_all_methods` (a later run of
-    every method), `repeat_lease` and `repeat_lease_4k` (the main run repeated on other leases), labelled with their
-    `code`."""
+    every method), `repeat_lease` and `repeat_lease_4k` (the main run repeated on other leases), `rerun_91b8638` (the
+    main run's command at a later library), labelled with their `code`."""
     def code(run):
         return str(run.get("code", "")).split(" ")[0].rstrip(":,;")
 
@@ -320,7 +320,8 @@ def planner_gain(data: dict):
     extra = {"planner_same_class_run": "planner, the fixed policy's class", "planner_rerun": "planner re-run",
              "planner_bf16_profile": "planner, bf16 profile", "planner_heldout_profile": "planner, held-out profile",
              "planner_two_file_profile": "planner, 16K re-profile", "rerun_8k_all_methods": "all methods re-run",
-             "repeat_lease": "main run, another lease", "repeat_lease_4k": "main run's 4K, another lease"}
+             "repeat_lease": "main run, another lease", "repeat_lease_4k": "main run's 4K, another lease",
+             "rerun_91b8638": "main run, later library"}
     for key, label in extra.items():
         if key in data:
             c = code(data[key])
