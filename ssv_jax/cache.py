@@ -19,6 +19,9 @@ from ssv_jax.config import ModelConfig
 
 
 class KVCache(NamedTuple):
+    """The target's KV cache: per layer the raw keys/values and the compressed block keys/values (one per
+    stride d), and the committed length of each batch row."""
+
     k: jax.Array  # [L, B, S, Hkv, D]
     v: jax.Array  # [L, B, S, Hkv, D]
     kc: jax.Array  # [L, B, S // d, Hkv, D]
@@ -27,6 +30,7 @@ class KVCache(NamedTuple):
 
     @property
     def capacity(self) -> int:
+        """Slots per row (S): the most tokens the cache can hold."""
         return self.k.shape[2]
 
 

@@ -93,15 +93,18 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     def replace(self, **kw) -> "ModelConfig":
+        """A copy with the given fields changed (validated again)."""
         return dataclasses.replace(self, **kw)
 
     def to_dict(self) -> dict:
+        """JSON-ready fields (the bundle's `config.json` "model" entry); `from_dict` reads it back."""
         d = dataclasses.asdict(self)
         d["feature_layers"] = list(self.features)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        """The config of `to_dict`'s output; raises ValueError naming unknown fields."""
         d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)

@@ -119,6 +119,7 @@ class TokenizedSplit:
 
     @property
     def n_docs(self) -> int:
+        """Documents (files) in the split."""
         return len(self.offsets) - 1
 
     def __len__(self) -> int:

@@ -24,6 +24,7 @@ DEFAULT_CKPT = os.path.join(REPO, "checkpoints", "ssv-small")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `ssv-generate` command line: model, prompt, generation and policy options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_argument_group("model")
     src.add_argument("--checkpoint", default=None, help=f"bundle directory (default: {DEFAULT_CKPT} if present)")
@@ -179,6 +180,7 @@ def load_model(a):
 
 
 def main(argv=None) -> int:
+    """Run `ssv-generate` with `argv` (default: sys.argv); returns the exit status."""
     a = build_parser().parse_args(argv)
     from ssv_jax.generate import ar_generate
     from ssv_jax.speculative import ssv_generate

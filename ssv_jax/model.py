@@ -67,6 +67,7 @@ def apply_rope(x: jax.Array, pos: jax.Array, inv_freq) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in fp32, returned in x's dtype."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
@@ -215,6 +216,7 @@ class NSATransformer(nnx.Module):
         self.weights = nnx.data(jax.tree.map(nnx.Param, init_params(cfg, rngs.params(), dtype)))
 
     def params(self) -> dict:
+        """The weights as the plain parameter pytree that the pure functions of this module take."""
         return nnx.state(self, nnx.Param).to_pure_dict()["weights"]
 
 
@@ -363,10 +365,12 @@ def _empty_sel(cfg: ModelConfig, B: int, Q: int):
 
 
 def embed(params, tokens):
+    """Token embeddings: ids [...] -> [..., hidden]."""
     return params["embed"][tokens]
 
 
 def lm_logits(params, cfg: ModelConfig, x):
+    """Final RMSNorm and LM head (the tied embedding when `cfg.tie_embeddings`): [..., hidden] -> fp32 logits."""
     h = rms_norm(x, params["norm"], cfg.norm_eps)
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     return jnp.einsum("...i,io->...o", h, w.astype(h.dtype), preferred_element_type=jnp.float32)

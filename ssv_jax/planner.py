@@ -132,6 +132,7 @@ class Planner:
 
     @classmethod
     def fixed(cls, policy: SSVPolicy) -> "Planner":
+        """A planner that runs `policy` in every bucket and never switches."""
         return cls({b: [(policy, None, None)] for b in map(_key, BUCKETS)})
 
     @classmethod
@@ -178,6 +179,7 @@ class Planner:
             return cls.fixed(SSVPolicy())
 
     def candidates(self) -> list[SSVPolicy]:
+        """Every policy the planner may run, over all buckets (the ones `ssv_generate` may compile)."""
         return [row[0] for rows in self.ranking.values() for row in rows]
 
     def _rows(self, context: int):
@@ -198,6 +200,7 @@ class Planner:
         return rows[0][0]
 
     def predicted_tau(self, policy: SSVPolicy, context: int):
+        """The profiled tau of `policy` in the bucket of `context` (None when the profile has none)."""
         _, rows = self._rows(context)
         return next((t for p, t, _ in rows if p == policy), None)
 

@@ -68,12 +68,15 @@ class SSVPolicy:
 
     @property
     def tree(self) -> TreeSpec:
+        """The draft tree's static shape."""
         return TreeSpec(self.top_k, self.depth, self.budget)
 
     def replace(self, **kw) -> "SSVPolicy":
+        """A copy with the given fields changed (validated again)."""
         return dataclasses.replace(self, **kw)
 
     def flags(self, cfg: ModelConfig) -> tuple[bool, ...]:
+        """Per layer of `cfg`, whether it refreshes routing (True) or reuses the previous selection."""
         return sched.parse(self.schedule, cfg.n_layers)
 
     def check_for(self, cfg: ModelConfig) -> None:
@@ -84,12 +87,14 @@ class SSVPolicy:
                              f"rows; accepted: a divisor of budget={self.budget}")
 
     def describe(self) -> str:
+        """One line naming every field, as the benchmarks and the planner's trace print it."""
         s = "R*" if self.schedule is None else (f"P={self.schedule}" if isinstance(self.schedule, int)
                                                else sched.to_string(tuple(self.schedule)))
         return (f"tree(k={self.top_k}, depth={self.depth}, budget={self.budget}) order={self.order} "
                 f"mode={self.mode} C={self.group_size} schedule={s} class={self.precision} backend={self.backend}")
 
     def to_dict(self) -> dict:
+        """JSON-ready fields (profiles store policies this way); `from_dict` reads it back."""
         d = dataclasses.asdict(self)
         if isinstance(self.schedule, tuple):
             d["schedule"] = "".join("R" if f is True or f == "R" else "U" for f in self.schedule)
@@ -97,6 +102,7 @@ class SSVPolicy:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SSVPolicy":
+        """The policy of `to_dict`'s output; raises ValueError naming unknown or invalid fields."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

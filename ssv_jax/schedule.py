@@ -14,6 +14,9 @@ import jax
 
 
 class Segment(NamedTuple):
+    """`count` consecutive runs of one refresh layer and `run - 1` reuse layers, from layer `start`: one static
+    `lax.scan` over the runs."""
+
     start: int  # first layer
     run: int  # layers per run (1 refresh + run-1 reuse)
     count: int  # runs in this segment
@@ -51,6 +54,7 @@ def parse(schedule, n_layers: int) -> tuple[bool, ...]:
 
 
 def to_string(flags: tuple[bool, ...]) -> str:
+    """Per-layer flags as a string of R (refresh) and U (reuse), e.g. "RUUURUUU"."""
     return "".join("R" if f else "U" for f in flags)
 
 

@@ -60,6 +60,7 @@ def param_specs(params: dict) -> dict:
 
 
 def cache_specs() -> kvc.KVCache:
+    """PartitionSpecs of a `KVCache`: KV heads split over the tensor-parallel axis, lengths replicated."""
     kv = P(None, None, None, AXIS, None)
     return kvc.KVCache(kv, kv, kv, kv, P())
 
@@ -76,6 +77,7 @@ def shard_cache(cache: kvc.KVCache, mesh: Mesh) -> kvc.KVCache:
 
 
 def replicate(tree, mesh: Mesh):
+    """Every array of `tree` copied to all devices of `mesh`."""
     return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), tree)
 
 

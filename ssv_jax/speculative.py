@@ -57,6 +57,9 @@ def unpack_ssv(model) -> SSVModel:
 
 
 class RoundState(NamedTuple):
+    """What one SSV round carries to the next inside the jitted loop: both caches, the root the next tree grows
+    from, and the emitted tokens so far."""
+
     tcache: kvc.KVCache
     dcache: dr.DraftCache
     root_token: jax.Array  # [B] the last sampled token, at position tcache.length
