@@ -19,11 +19,12 @@ device time goes. `attribute` writes that summary too (`by_stage`).
 
     python scripts/round_ops.py ceiling --e2e docs/results/e2e_h200.json --context 15712 \
         --ops docs/results/verify_prologue_h200.json --run round_ops/runs/xla \
-        --levels docs/results/tree_width_h200.json --target 3.5
+        --levels docs/results/tree_width_h200.json --profile docs/results/round_vs_ar_16k_h200.json --target 3.5
 
 `ceiling` asks what a speed-up `--target` over AR would take, from measured figures only (`ceiling()`): the e2e
 run's AR ms a token, the fixed policy's ms a round and tau; the attribution's drafting device time; and the
-wall cost of one more drafted level, from a profile with two depths of the fixed policy's top-k and budget.
+wall cost of one more drafted level, from a profile with two depths of the fixed policy's top-k and budget;
+optionally (`--profile`) the AR step's and the drafting's GPU busy time traced on one lease by `profile_round.py`.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def stages(paths) -> dict:
 
 
 def ceiling(ar_ms: float, round_ms: float, tau: float, depth: int, draft_us: float, level_ms: float,
-            target: float = 3.5, max_depth: int = 16) -> dict:
+            target: float = 3.5, max_depth: int = 16, device: tuple[float, float] | None = None) -> dict:
     """Speed-ups over AR under two bounds that favour SSV, from measured figures.
 
     - `verify_as_cheap_as_ar`: the round costs one AR step plus its drafting's device time, nothing else
@@ -227,6 +228,8 @@ def ceiling(ar_ms: float, round_ms: float, tau: float, depth: int, draft_us: flo
     - `perfect_head`: every drafted token accepted (tau = depth + 1) at the measured round cost, each extra level
       adding `level_ms`; `perfect_head_depth_needed` is the first depth that reaches `target` (None up to
       `max_depth`).
+    - `device_only` (with `device` = (AR step, drafting) GPU busy µs traced on one lease): the first bound in
+      device time alone, launch gaps left out on both sides.
     `round_needed_ms` is the round that would reach `target` at the measured tau."""
     for name, v in dict(ar_ms=ar_ms, round_ms=round_ms, tau=tau, draft_us=draft_us, target=target).items():
         if not v > 0:
@@ -235,11 +238,17 @@ def ceiling(ar_ms: float, round_ms: float, tau: float, depth: int, draft_us: flo
         raise ValueError(f"level_ms={level_ms!r} / depth={depth!r} are invalid; accepted: level_ms >= 0, depth >= 1")
     perfect = [dict(depth=d, round_ms=round_ms + level_ms * (d - depth),
                     speedup=(d + 1) * ar_ms / (round_ms + level_ms * (d - depth))) for d in range(depth, max_depth + 1)]
-    return dict(ar_ms=ar_ms, round_ms=round_ms, tau=tau, depth=depth, draft_us=draft_us, level_ms=level_ms,
-                target=target, measured=tau * ar_ms / round_ms, round_needed_ms=tau * ar_ms / target,
-                verify_as_cheap_as_ar=tau * ar_ms / (ar_ms + draft_us / 1e3),
-                draft_needed_ms=ar_ms * (tau / target - 1), perfect_head=perfect,
-                perfect_head_depth_needed=next((p["depth"] for p in perfect if p["speedup"] >= target), None))
+    out = dict(ar_ms=ar_ms, round_ms=round_ms, tau=tau, depth=depth, draft_us=draft_us, level_ms=level_ms,
+               target=target, measured=tau * ar_ms / round_ms, round_needed_ms=tau * ar_ms / target,
+               verify_as_cheap_as_ar=tau * ar_ms / (ar_ms + draft_us / 1e3),
+               draft_needed_ms=ar_ms * (tau / target - 1), perfect_head=perfect,
+               perfect_head_depth_needed=next((p["depth"] for p in perfect if p["speedup"] >= target), None))
+    if device is not None:
+        ar_us, d_us = device
+        if not (ar_us > 0 and d_us > 0):
+            raise ValueError(f"device={device!r} is invalid; accepted: (AR step, drafting) GPU busy µs, both > 0")
+        out["device_only"] = dict(ar_us=ar_us, draft_us=d_us, speedup=tau * ar_us / (ar_us + d_us))
+    return out
 
 
 def _e2e_figures(path: str, context: int) -> dict:
@@ -284,9 +293,18 @@ def ceiling_cli(a) -> dict:
     if a.run not in runs:
         raise SystemExit(f"--run={a.run!r} is not an attribution in {a.ops}; accepted: {sorted(runs)}")
     draft = next(r["us"] for r in by_stage(runs[a.run]["by_source"]) if r["stage"] == "drafting")
+    device = None
+    if a.profile:
+        with open(a.profile) as f:
+            busy = json.load(f).get("reading", {}).get("gpu_busy_us", {})
+        if not {"ar", "draft"} <= set(busy):
+            raise SystemExit(f"{a.profile} has no reading.gpu_busy_us with 'ar' and 'draft'; accepted: a "
+                             f"profile_round.py output")
+        device = (busy["ar"], busy["draft"])
     res = ceiling(fig["ar_ms"], fig["round_ms"], fig["tau"], fig["depth"], draft, _level_ms(a.levels, policy),
-                  a.target)
-    res["sources"] = dict(e2e=a.e2e, context=a.context, ops=a.ops, run=a.run, levels=a.levels, policy=policy)
+                  a.target, device=device)
+    res["sources"] = dict(e2e=a.e2e, context=a.context, ops=a.ops, run=a.run, levels=a.levels, policy=policy,
+                          profile=a.profile)
     print(f"AR {res['ar_ms']:.4f} ms/token; SSV {res['round_ms']:.4f} ms/round at tau {res['tau']:.2f} "
           f"(depth {res['depth']}): {res['measured']:.2f}x")
     print(f"{a.target}x at tau {res['tau']:.2f} needs a round of {res['round_needed_ms']:.4f} ms")
@@ -295,6 +313,9 @@ def ceiling_cli(a) -> dict:
     print(f"every drafted token accepted, {1e3 * res['level_ms']:.1f} us a level: "
           + ", ".join(f"depth {p['depth']} {p['speedup']:.2f}x" for p in res["perfect_head"][:7])
           + f"; {a.target}x from depth {res['perfect_head_depth_needed']}")
+    if device:
+        print(f"device time only: AR step {device[0]:.1f} us + drafting {device[1]:.1f} us: "
+              f"{res['device_only']['speedup']:.2f}x")
     return res
 
 
@@ -319,6 +340,8 @@ def main(argv=None):
     e.add_argument("--ops", required=True, help="a JSON holding round attributions (`attribute --out`)")
     e.add_argument("--run", required=True, help="the attribution's label in --ops, as `stages` prints it")
     e.add_argument("--levels", required=True, help="a profile_policies.py JSON with two depths of the fixed tree")
+    e.add_argument("--profile", default=None, help="a profile_round.py JSON: the device-time-only bound from its "
+                   "traced AR step and drafting")
     e.add_argument("--target", type=float, default=3.5)
     e.add_argument("--out", default=None)
     a = ap.parse_args(argv)

@@ -390,6 +390,11 @@ def test_round_ops_ceiling_bounds_what_a_target_speedup_over_ar_would_take():
     assert c["perfect_head"][3]["speedup"] == pytest.approx(10 * 0.4 / 1.15) and c["perfect_head_depth_needed"] == 10
     with pytest.raises(ValueError, match="tau=0"):
         ro.ceiling(0.4, 1.0, 0, 6, 200.0, 0.05)
+    assert "device_only" not in c
+    dev = ro.ceiling(0.4, 1.0, 5.0, 6, 200.0, 0.05, 3.5, device=(300.0, 200.0))["device_only"]
+    assert dev["speedup"] == pytest.approx(5.0 * 300.0 / 500.0)
+    with pytest.raises(ValueError, match="device="):
+        ro.ceiling(0.4, 1.0, 5.0, 6, 200.0, 0.05, device=(0.0, 200.0))
 
 
 def test_round_ops_ceiling_reads_its_figures_from_the_benchmark_files(tmp_path, capsys):
@@ -424,6 +429,9 @@ def test_round_ops_ceiling_reads_its_figures_from_the_benchmark_files(tmp_path, 
     assert "needs a round of" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="runs/x"):
         ro.main(args + ["--run", "runs/y"])
+    (tmp_path / "prof_round.json").write_text(json.dumps(dict(reading=dict(gpu_busy_us=dict(ar=300.0, draft=100.0)))))
+    dev = ro.main(args + ["--run", "runs/x", "--profile", str(tmp_path / "prof_round.json")])["device_only"]
+    assert dev == dict(ar_us=300.0, draft_us=100.0, speedup=pytest.approx(4.4 * 300.0 / 400.0))
     (tmp_path / "prof.json").write_text(json.dumps(dict(buckets={"16K": prof[:1]})))
     with pytest.raises(SystemExit, match="fewer than two depths"):
         ro.main(args + ["--run", "runs/x"])
