@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -236,8 +237,8 @@ def ceiling(ar_ms: float, round_ms: float, tau: float, depth: int, draft_us: flo
             raise ValueError(f"{name}={v!r} is invalid; accepted: a number > 0")
     if level_ms < 0 or depth < 1:
         raise ValueError(f"level_ms={level_ms!r} / depth={depth!r} are invalid; accepted: level_ms >= 0, depth >= 1")
-    perfect = [dict(depth=d, round_ms=round_ms + level_ms * (d - depth),
-                    speedup=(d + 1) * ar_ms / (round_ms + level_ms * (d - depth))) for d in range(depth, max_depth + 1)]
+    rounds = {d: round_ms + level_ms * (d - depth) for d in range(depth, max_depth + 1)}
+    perfect = [dict(depth=d, round_ms=r, speedup=(d + 1) * ar_ms / r) for d, r in rounds.items()]
     out = dict(ar_ms=ar_ms, round_ms=round_ms, tau=tau, depth=depth, draft_us=draft_us, level_ms=level_ms,
                target=target, measured=tau * ar_ms / round_ms, round_needed_ms=tau * ar_ms / target,
                verify_as_cheap_as_ar=tau * ar_ms / (ar_ms + draft_us / 1e3),
@@ -252,10 +253,11 @@ def ceiling(ar_ms: float, round_ms: float, tau: float, depth: int, draft_us: flo
 
 
 def _e2e_figures(path: str, context: int) -> dict:
-    """AR ms a token, and the fixed policy's ms a round, tau and depth, over the prompts of an e2e JSON's top-level
-    rows at `context` (decode time over rounds, summed over prompts)."""
+    """AR ms a token, and the fixed policy (its description) with its ms a round, tau and depth, over the prompts of
+    an e2e JSON's top-level rows at `context` (decode time over rounds, summed over prompts)."""
     with open(path) as f:
-        rows = [r for r in json.load(f).get("rows", []) if r.get("context") == context]
+        data = json.load(f)
+    rows = [r for r in data.get("rows", []) if r.get("context") == context]
     ar, ssv = ([r for r in rows if r["method"] == m] for m in ("ar", "ssv"))
     if not ar or not ssv:
         raise SystemExit(f"{path} has no 'ar' and 'ssv' rows at context {context}; accepted: a bench_e2e.py output "
@@ -264,19 +266,21 @@ def _e2e_figures(path: str, context: int) -> dict:
     if len(depths) != 1:
         raise SystemExit(f"{path}: the ssv rows at {context} ran depths {sorted(depths)}; accepted: one fixed policy")
     per = lambda rs: 1e3 * sum(r["decode_s"] for r in rs) / sum(r["rounds"] for r in rs)  # noqa: E731
-    return dict(ar_ms=per(ar), round_ms=per(ssv), depth=depths.pop(),
+    return dict(ar_ms=per(ar), round_ms=per(ssv), depth=depths.pop(), policy=data["fixed_policy"],
                 tau=sum(r["tau"] * r["rounds"] for r in ssv) / sum(r["rounds"] for r in ssv))
 
 
 def _level_ms(path: str, policy: str) -> float:
     """Wall ms of one more drafted level: the round-cost slope between the two shallowest depths that a profile
     JSON ran with `policy`'s top-k and budget (and its other settings)."""
-    key = re.sub(r"depth=\d+", "depth=?", policy)
     from ssv_jax.policy import SSVPolicy
+
+    any_depth = functools.partial(re.sub, r"depth=\d+", "depth=?")  # a policy description, depth left open
+    key = any_depth(policy)
     with open(path) as f:
         rows = [r for rs in json.load(f)["buckets"].values() for r in rs]
     pts = sorted({(r["policy"]["depth"], r["round_ms"]) for r in rows
-                  if re.sub(r"depth=\d+", "depth=?", SSVPolicy.from_dict(r["policy"]).describe()) == key})
+                  if any_depth(SSVPolicy.from_dict(r["policy"]).describe()) == key})
     if len({d for d, _ in pts}) < 2:
         raise SystemExit(f"{path} has fewer than two depths of {key}; accepted: a profile_policies.py output "
                          f"with two trees that differ in depth alone")
@@ -286,8 +290,7 @@ def _level_ms(path: str, policy: str) -> float:
 
 def ceiling_cli(a) -> dict:
     fig = _e2e_figures(a.e2e, a.context)
-    with open(a.e2e) as f:
-        policy = json.load(f)["fixed_policy"]
+    policy = fig["policy"]
     with open(a.ops) as f:
         runs = dict(attributions(json.load(f)))
     if a.run not in runs:
