@@ -18,6 +18,6 @@ demo: .venv/.installed
 	$(PY) scripts/ssv_generate.py
 
 test: .venv/.installed
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 .PHONY: install demo test
