@@ -386,6 +386,8 @@ def validate_tokens(cfg: ModelConfig, tokens) -> None:
     t = np.asarray(tokens)
     if t.size == 0:
         raise ValueError("prompt is empty; accepted: at least one token id")
+    if not np.issubdtype(t.dtype, np.integer):
+        raise ValueError(f"token ids have dtype {t.dtype}; accepted: an integer dtype (a float id would be truncated)")
     if t.min() < 0 or t.max() >= cfg.vocab_size:
         bad = int(t.min()) if t.min() < 0 else int(t.max())
         raise ValueError(f"token id {bad} is out of vocabulary; accepted: ids in [0, {cfg.vocab_size})")

@@ -205,6 +205,8 @@ def test_empty_prompt_and_out_of_vocab_ids_are_rejected():
         M.prefill(PARAMS, CFG, np.array([[1, 2, 256]]), cache)
     with pytest.raises(ValueError, match="out of vocabulary"):
         M.prefill(PARAMS, CFG, np.array([[1, -1]]), cache)
+    with pytest.raises(ValueError, match="dtype float64; accepted: an integer dtype"):
+        M.prefill(PARAMS, CFG, np.array([[1.5, 2.0]]), cache)
 
 
 @pytest.mark.parametrize("fuse,shards", [(False, 1), (True, 1), (True, 2)])
