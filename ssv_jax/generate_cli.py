@@ -180,8 +180,19 @@ def load_model(a):
 
 
 def main(argv=None) -> int:
-    """Run `ssv-generate` with `argv` (default: sys.argv); returns the exit status."""
-    a = build_parser().parse_args(argv)
+    """Run `ssv-generate` with `argv` (default: sys.argv); returns the exit status.
+
+    A bad value (a flag out of range, a missing prompt file, a directory that is not a bundle) ends the run with
+    one line naming it and the accepted range, and exit status 2, as argparse does for a malformed flag."""
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        return _run(a)
+    except (ValueError, OSError) as e:
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
+
+
+def _run(a) -> int:
     from ssv_jax.generate import ar_generate
     from ssv_jax.speculative import ssv_generate
 

@@ -319,6 +319,24 @@ def test_generate_cli_with_a_draft_window_still_decodes_the_ar_tokens(capsys):
         main(["--random-preset", "tiny", "--draft-window", "-1"])
 
 
+def test_generate_cli_names_a_bad_value_in_one_line_and_exits_2(capsys, tmp_path):
+    """A bad flag value or a missing file ends ssv_generate.py with one `error:` line on stderr naming it
+    and status 2, not a traceback."""
+    from ssv_jax.generate_cli import main
+
+    cases = [(["--random-preset", "tiny", "--max-new-tokens", "0"], "max_new_tokens=0 is invalid; accepted"),
+             (["--random-preset", "tiny", "--top-k", "0"], "top_k=0 is invalid; accepted"),
+             (["--checkpoint", str(tmp_path)], "is not a bundle: config.json is missing"),
+             (["--prompt-file", str(tmp_path / "missing.py")], "No such file or directory")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2, argv
+        last = err.strip().splitlines()[-1]  # earlier lines may be warnings
+        assert "Traceback" not in err and ": error: " in last and message in last, (argv, err)
+
+
 def test_chunk_cost_fits_a_per_call_and_a_per_round_cost(tmp_path):
     """One timed chunk per requested length, each running all of its rounds; with two lengths the least-squares
     line passes through both; the null call over the same arguments is timed too."""
