@@ -1,6 +1,6 @@
 # One command each, on a fresh machine: `make demo` (the main job), `make test` (the test suite).
 PY ?= .venv/bin/python
-# pytest-xdist processes for `make test`: on a 2-core machine the suite took 12.1 min with 2, 16.3 min in one process
+# pytest-xdist processes for `make test` (2-core machine: 12.1 min with 2, 16.3 in one process, when last compared)
 TEST_WORKERS ?= 2
 
 .venv/bin/python:
