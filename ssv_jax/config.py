@@ -10,6 +10,14 @@ import dataclasses
 from dataclasses import dataclass
 
 
+def check_known_fields(cls, d: dict) -> None:
+    """Raise `ValueError` naming the keys of `d` that are not fields of the dataclass `cls` (a `from_dict` guard)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}; accepted: {sorted(known)}")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """llama3-style RoPE frequency scaling (the Llama-3.1 `rope_scaling` block)."""
@@ -106,10 +114,7 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         """The config of `to_dict`'s output; raises ValueError naming unknown fields."""
         d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields {unknown}; accepted: {sorted(known)}")
+        check_known_fields(cls, d)
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         if d.get("feature_layers") is not None:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ssv_jax.config import ModelConfig
+from ssv_jax.config import ModelConfig, check_known_fields
 
 WEIGHT_NAMES = ("fc", "hidden_norm", "input_norm", "post_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
                 "norm", "lm_head")
@@ -119,10 +119,7 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":
         """Inverse of `to_dict`; unknown keys raise `ValueError`."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown DraftConfig fields {unknown}; accepted: {sorted(known)}")
+        check_known_fields(cls, d)
         return cls(**d)
 
 

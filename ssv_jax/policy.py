@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass
 
 from ssv_jax import schedule as sched
-from ssv_jax.config import ModelConfig
+from ssv_jax.config import ModelConfig, check_known_fields
 from ssv_jax.tree import TreeSpec
 
 PRECISIONS = ("exact", "strict", "approx")
@@ -103,10 +103,7 @@ class SSVPolicy:
     @classmethod
     def from_dict(cls, d: dict) -> "SSVPolicy":
         """The policy of `to_dict`'s output; raises ValueError naming unknown or invalid fields."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown SSVPolicy fields {unknown}; accepted: {sorted(known)}")
+        check_known_fields(cls, d)
         return cls(**d)
 
 

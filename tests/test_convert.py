@@ -234,20 +234,8 @@ def _tokens(seed=5):
 
 
 def _load(path, dtype=jnp.float32):
-    """`load_bundle`. Until DraftConfig can be rebuilt from its JSON (feature_layers comes back as a list and
-    DraftConfig has no from_dict yet; reported to the lead), a draft config is rebuilt here with a tuple."""
-    try:
-        return ck.load_bundle(path, dtype)
-    except ValueError as e:
-        if "feature_layers" not in str(e):
-            raise
-    meta = ck.read_bundle_meta(path)
-    b = ck.load_bundle(path, dtype, verify=False) if meta["draft"] is None else None
-    if b is not None:
-        return b
-    dcfg = dr.DraftConfig(**{**meta["draft"], "feature_layers": tuple(meta["draft"]["feature_layers"])})
-    grp = lambda g: ck._load_group(path, meta["tensors"][g], meta["sha256"], dtype, True)  # noqa: E731
-    return ck.Bundle(ck.ModelConfig.from_dict(meta["model"]), grp("target"), dcfg, grp("draft"), None)
+    """The converted bundle as users load it, in fp32 unless `dtype` says otherwise."""
+    return ck.load_bundle(path, dtype)
 
 
 def check_target(bundle, sd, fmt, hf, nsa, attn=None, np_attn=None):

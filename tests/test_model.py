@@ -189,6 +189,8 @@ def test_unknown_preset_is_rejected():
 def test_config_round_trips_through_dict():
     cfg = get_config("llama31-8b-nsa")
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg.replace(feature_layers=cfg.features)
+    with pytest.raises(ValueError, match=r"unknown ModelConfig fields \['bogus'\]; accepted: \[.*'vocab_size'"):
+        ModelConfig.from_dict(dict(cfg.to_dict(), bogus=1))
 
 
 def test_prompt_longer_than_cache_is_rejected():

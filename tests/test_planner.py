@@ -40,6 +40,8 @@ def test_profile_round_trips_ranked_by_tokens_per_s(profile):
     prof = load_profile(profile)
     assert prof["version"] == 1 and prof["hardware"] == "test" and prof["prompts"] == ["a", "b"]
     assert [SSVPolicy.from_dict(r["policy"]) for r in prof["buckets"]["8K"]] == [P_APPROX, P_BIG, P_MID]
+    with pytest.raises(ValueError, match=r"unknown SSVPolicy fields \['bogus'\]; accepted: \[.*'top_k'"):
+        SSVPolicy.from_dict(dict(prof["buckets"]["8K"][0]["policy"], bogus=1))
 
 
 def test_buckets():
