@@ -18,6 +18,7 @@ import numpy as np
 from ssv_jax import cache as kvc
 from ssv_jax import model as M
 from ssv_jax import nsa
+from ssv_jax import schedule as sched
 from ssv_jax import sharding
 from ssv_jax.config import ModelConfig
 
@@ -50,7 +51,7 @@ def prepare_prompt(cfg: ModelConfig, prompt_ids, max_new_tokens: int, extra_room
     if p.ndim != 2:
         raise ValueError(f"prompt_ids has shape {p.shape}; accepted: [P] or [B, P]")
     M.validate_tokens(cfg, p)
-    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+    if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; accepted: an integer >= 1")
     need = p.shape[1] + max_new_tokens + extra_room
     if need > cfg.max_seq_len:
@@ -67,16 +68,41 @@ def sample(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
     return jax.random.categorical(key, logits / temperature, -1).astype(jnp.int32)
 
 
-def _check_sampling(temperature: float, eos_id, cfg: ModelConfig):
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature={temperature!r} is invalid; accepted: a float >= 0")
-    if eos_id is not None and not (0 <= eos_id < cfg.vocab_size):
-        raise ValueError(f"eos_id={eos_id} is invalid; accepted: None or an id in [0, {cfg.vocab_size})")
+def _is_int(v) -> bool:
+    """An integer, numpy's included, but not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _check_options(cfg: ModelConfig, *, temperature, seed, eos_id, prefill_chunk, cache_dtype, mesh, **flags):
+    """The checks `ar_generate` and `ssv_generate` share, before any device work; `flags` must be bools."""
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.number)) \
+            or not (np.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature!r} is invalid; accepted: a finite float >= 0")
+    if not (_is_int(seed) and -2 ** 63 <= seed < 2 ** 63):
+        raise ValueError(f"seed={seed!r} is invalid; accepted: an integer in [-2**63, 2**63)")
+    if eos_id is not None and not (_is_int(eos_id) and 0 <= eos_id < cfg.vocab_size):
+        raise ValueError(f"eos_id={eos_id!r} is invalid; accepted: None or an id in [0, {cfg.vocab_size})")
+    if not (_is_int(prefill_chunk) and prefill_chunk >= 1):
+        raise ValueError(f"prefill_chunk={prefill_chunk!r} is invalid; accepted: an integer >= 1")
+    if cache_dtype is not None:
+        try:
+            ok = jnp.issubdtype(jnp.dtype(cache_dtype), jnp.floating)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"cache_dtype={cache_dtype!r} is invalid; accepted: None (the weights' dtype) or a "
+                             "floating dtype such as jnp.bfloat16 or jnp.float32")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(f"mesh={mesh!r} is invalid; accepted: None (one device) or a jax.sharding.Mesh with axis "
+                         "'tp' (ssv_jax.sharding.make_mesh)")
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name}={value!r} is invalid; accepted: True or False")
 
 
 def _check_chunk(name: str, value) -> None:
     """A chunk length (steps or rounds per jitted call) must be an integer >= 1."""
-    if not (isinstance(value, int) and value >= 1):
+    if not (_is_int(value) and value >= 1):
         raise ValueError(f"{name}={value!r} is invalid; accepted: an integer >= 1")
 
 
@@ -137,8 +163,10 @@ def ar_generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
 
     Returns the new tokens [B, n] and stats: prefill_s, decode_s, steps, tokens_per_s."""
     cfg, params = unpack_target(model)
-    _check_sampling(temperature, eos_id, cfg)
+    _check_options(cfg, temperature=temperature, seed=seed, eos_id=eos_id, prefill_chunk=prefill_chunk,
+                   cache_dtype=cache_dtype, mesh=mesh, progress=progress, split_weights=split_weights)
     _check_chunk("chunk_steps", chunk_steps)
+    schedule = sched.canonical(schedule)  # hashable (a jit static argument) whatever form it came in
     prompt = prepare_prompt(cfg, prompt_ids, max_new_tokens, extra_room=prefill_chunk)
     B, P = prompt.shape
     dtype = cache_dtype or jax.tree.leaves(params)[0].dtype

@@ -11,6 +11,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+import numpy as np
+
 from ssv_jax import schedule as sched
 from ssv_jax.config import ModelConfig, check_known_fields
 from ssv_jax.tree import TreeSpec
@@ -28,7 +30,8 @@ class SSVPolicy:
     - `order`: "bfs" (EAGLE order) or "dfs" (pre-order, siblings adjacent): how tree queries are flattened
       before being packed into groups of `group_size` (C).
     - `mode`: "A" (exact merge) or "B" (shared index: an approximation).
-    - `schedule`: None (refresh every layer), a refresh period P, or an R/U string / tuple of length L.
+    - `schedule`: None (refresh every layer), a refresh period P, or an R/U string / tuple of length L; stored
+      in `schedule.canonical` form (None, P, or an "R"/"U" string), so equal schedules make equal policies.
     - `precision`: "exact" (mode A, refresh every layer), "strict" (mode A, any schedule), "approx" (mode B).
     - `backend`: "reference" (jnp NSA), "kernel" (Pallas grouped kernels), "naive" (per-query kernel: the
       naive SD+NSA baseline), "dense" (dense attention over the same weights: the dense EAGLE-3 SD baseline).
@@ -51,14 +54,16 @@ class SSVPolicy:
         if self.mode not in ("A", "B"):
             raise ValueError(f"SSVPolicy.mode={self.mode!r} is invalid; accepted: 'A' (exact merge) or 'B' "
                              "(shared index)")
-        if not (isinstance(self.group_size, int) and self.group_size >= 1):
+        if not (isinstance(self.group_size, (int, np.integer)) and not isinstance(self.group_size, bool)
+                and self.group_size >= 1):
             raise ValueError(f"SSVPolicy.group_size={self.group_size!r} is invalid; accepted: an integer >= 1")
+        for f in ("top_k", "depth", "budget", "group_size"):
+            object.__setattr__(self, f, int(getattr(self, f)))  # np.int64 from a config file: one hashable form
         if self.precision not in PRECISIONS:
             raise ValueError(f"SSVPolicy.precision={self.precision!r} is invalid; accepted: {PRECISIONS}")
         if self.backend not in BACKENDS:
             raise ValueError(f"SSVPolicy.backend={self.backend!r} is invalid; accepted: {BACKENDS}")
-        if isinstance(self.schedule, list):
-            object.__setattr__(self, "schedule", tuple(self.schedule))
+        object.__setattr__(self, "schedule", sched.canonical(self.schedule))
         if self.mode == "B" and self.precision != "approx":
             raise ValueError(f"SSVPolicy.mode='B' with precision={self.precision!r} is invalid; accepted: mode 'B' "
                              "only in precision class 'approx'")
@@ -89,16 +94,13 @@ class SSVPolicy:
     def describe(self) -> str:
         """One line naming every field, as the benchmarks and the planner's trace print it."""
         s = "R*" if self.schedule is None else (f"P={self.schedule}" if isinstance(self.schedule, int)
-                                               else sched.to_string(tuple(self.schedule)))
+                                               else self.schedule)
         return (f"tree(k={self.top_k}, depth={self.depth}, budget={self.budget}) order={self.order} "
                 f"mode={self.mode} C={self.group_size} schedule={s} class={self.precision} backend={self.backend}")
 
     def to_dict(self) -> dict:
         """JSON-ready fields (profiles store policies this way); `from_dict` reads it back."""
-        d = dataclasses.asdict(self)
-        if isinstance(self.schedule, tuple):
-            d["schedule"] = "".join("R" if f is True or f == "R" else "U" for f in self.schedule)
-        return d
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "SSVPolicy":
@@ -108,11 +110,8 @@ class SSVPolicy:
 
 
 def _all_refresh(schedule) -> bool:
-    if schedule is None or schedule == 1:
-        return True
-    if isinstance(schedule, int):
-        return False
-    return all(s is True or s == "R" for s in schedule)
+    """Whether a canonical schedule refreshes every layer."""
+    return schedule is None or schedule == 1 or (isinstance(schedule, str) and "U" not in schedule)
 
 
 @functools.lru_cache(maxsize=None)

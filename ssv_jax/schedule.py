@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import jax
+import numpy as np
 
 
 class Segment(NamedTuple):
@@ -31,26 +32,43 @@ def periodic(n_layers: int, period: int, offset: int = 0) -> tuple[bool, ...]:
     return tuple(i == 0 or (i >= offset and (i - offset) % period == 0) for i in range(n_layers))
 
 
-def parse(schedule, n_layers: int) -> tuple[bool, ...]:
-    """Normalise a schedule: None (refresh every layer), an int period P, a string like "RUUURUUU", or a tuple
-    of bools / "R"/"U" characters. Layer 1 must be R and the length must equal L."""
+def canonical(schedule):
+    """A schedule in the one hashable form that policies, profiles and the jitted paths use, checked as far as
+    it can be without the layer count: None (refresh every layer), a refresh period P >= 1 (int), or a string of
+    "R"/"U" per layer that starts with "R" (from a string, or a list/tuple of "R"/"U" characters or bools)."""
     if schedule is None:
-        return (True,) * n_layers
-    if isinstance(schedule, int) and not isinstance(schedule, bool):
-        return periodic(n_layers, schedule)
+        return None
+    if isinstance(schedule, (int, np.integer)) and not isinstance(schedule, (bool, np.bool_)):
+        if schedule < 1:
+            raise ValueError(f"refresh period P={schedule!r} is invalid; accepted: an integer >= 1")
+        return int(schedule)
+    if not isinstance(schedule, (str, list, tuple)) or len(schedule) == 0:
+        raise ValueError(f"schedule={schedule!r} is invalid; accepted: None (refresh every layer), a refresh period "
+                         "P >= 1, or one 'R' (refresh) / 'U' (reuse) per layer as a string or a list of 'R'/'U'/bools")
     flags = []
     for s in schedule:
-        if isinstance(s, bool):
-            flags.append(s)
+        if isinstance(s, (bool, np.bool_)):
+            flags.append(bool(s))
         elif s in ("R", "U"):
             flags.append(s == "R")
         else:
             raise ValueError(f"schedule entry {s!r} is invalid; accepted: 'R', 'U' or a bool")
-    if len(flags) != n_layers:
-        raise ValueError(f"schedule length {len(flags)} is invalid; accepted: exactly n_layers={n_layers}")
     if not flags[0]:
         raise ValueError("schedule[0]='U' is invalid; accepted: the first layer must be a refresh layer 'R'")
-    return tuple(flags)
+    return to_string(tuple(flags))
+
+
+def parse(schedule, n_layers: int) -> tuple[bool, ...]:
+    """Per-layer refresh flags of a schedule in any form `canonical` takes; a period must be at most L and an
+    R/U sequence exactly L long."""
+    schedule = canonical(schedule)
+    if schedule is None:
+        return (True,) * n_layers
+    if isinstance(schedule, int):
+        return periodic(n_layers, schedule)
+    if len(schedule) != n_layers:
+        raise ValueError(f"schedule length {len(schedule)} is invalid; accepted: exactly n_layers={n_layers}")
+    return tuple(c == "R" for c in schedule)
 
 
 def to_string(flags: tuple[bool, ...]) -> str:

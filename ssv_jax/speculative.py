@@ -25,7 +25,7 @@ from ssv_jax import model as M
 from ssv_jax import sharding
 from ssv_jax import tree as tr
 from ssv_jax.config import ModelConfig
-from ssv_jax.generate import GenerateResult, _check_chunk, _check_sampling, prepare_prompt, sample
+from ssv_jax.generate import GenerateResult, _check_chunk, _check_options, prepare_prompt, sample
 from ssv_jax.policy import SSVPolicy, attention_for
 
 
@@ -46,6 +46,9 @@ def unpack_ssv(model) -> SSVModel:
         m = SSVModel(model.cfg, model.params, model.draft_cfg, model.draft_params)
     elif isinstance(model, tuple) and len(model) == 4:
         m = SSVModel(*model)
+        if not isinstance(m.cfg, ModelConfig) or not isinstance(m.draft_cfg, (dr.DraftConfig, type(None))):
+            raise ValueError(f"model tuple of ({type(m.cfg).__name__}, params, {type(m.draft_cfg).__name__}, "
+                             "draft_params) is invalid; accepted: (ModelConfig, params, DraftConfig, draft_params)")
     else:
         raise ValueError(f"model of type {type(model).__name__} is not accepted; accepted: SSVModel, a checkpoint "
                          "Bundle with a draft head, or (cfg, params, draft_cfg, draft_params)")
@@ -256,8 +259,12 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
 
     m = unpack_ssv(model)
     cfg = m.cfg
-    _check_sampling(temperature, eos_id, cfg)
+    _check_options(cfg, temperature=temperature, seed=seed, eos_id=eos_id, prefill_chunk=prefill_chunk,
+                   cache_dtype=cache_dtype, mesh=mesh, progress=progress, split_weights=split_weights)
     _check_chunk("chunk_rounds", chunk_rounds)
+    if planner is not None and not isinstance(planner, Planner):
+        raise ValueError(f"planner of type {type(planner).__name__} is invalid; accepted: None or an "
+                         "ssv_jax.planner.Planner")
     if planner is None:
         planner = Planner.for_policy(policy, cfg, precision=getattr(policy, "precision", "exact"))
     for cand in planner.candidates():  # every check before any device work

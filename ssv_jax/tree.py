@@ -15,11 +15,13 @@ index. `flatten_order` gives the `bfs` and `dfs` (pre-order, siblings adjacent) 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ssv_jax import nsa
 from ssv_jax.draft import DraftCache, DraftConfig, draft_logits, draft_tree_level
@@ -39,8 +41,9 @@ class TreeSpec:
     def __post_init__(self):
         for f in ("top_k", "depth", "budget"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
                 raise ValueError(f"TreeSpec.{f}={v!r} is invalid; accepted: an integer")
+            object.__setattr__(self, f, int(v))  # one hashable form for np.int64 too
         if self.top_k < 1:
             raise ValueError(f"TreeSpec.top_k={self.top_k} is invalid; accepted: an integer >= 1")
         if self.depth < 1:
@@ -64,10 +67,12 @@ class TreeSpec:
     @classmethod
     def parse_list(cls, spec: str) -> list["TreeSpec"]:
         """Trees from the command-line form "top_k,depth,budget;top_k,depth,budget;..." (e.g. "4,6,32;8,6,64")."""
+        if not isinstance(spec, str):
+            raise ValueError(f"trees={spec!r} is invalid; accepted: a string 'top_k,depth,budget;...'")
         out = []
         for part in spec.split(";"):
             fields = part.split(",")
-            if len(fields) != 3 or not all(f.strip().lstrip("-").isdigit() for f in fields):
+            if len(fields) != 3 or not all(re.fullmatch(r"\s*-?\d+\s*", f) for f in fields):
                 raise ValueError(f"tree {part!r} in {spec!r} is invalid; accepted: three integers "
                                  "'top_k,depth,budget', trees separated by ';'")
             out.append(cls(*(int(f) for f in fields)))

@@ -63,10 +63,31 @@ def test_eos_stops_generation_and_pads():
     (dict(max_new_tokens=10, eos_id=999), "eos_id"),
     (dict(max_new_tokens=1000), "exceeds the cache"),
     (dict(max_new_tokens=10, chunk_steps=0), "chunk_steps=0"),
+    (dict(max_new_tokens=True), r"max_new_tokens=True is invalid; accepted: an integer >= 1"),
+    (dict(max_new_tokens=10, temperature=float("inf")), r"temperature=inf is invalid; accepted: a finite float"),
+    (dict(max_new_tokens=10, temperature=True), r"temperature=True is invalid; accepted"),
+    (dict(max_new_tokens=10, seed=1.5), r"seed=1.5 is invalid; accepted: an integer in \[-2\*\*63"),
+    (dict(max_new_tokens=10, eos_id=1.5), r"eos_id=1.5 is invalid; accepted: None or an id in \[0, 256\)"),
+    (dict(max_new_tokens=10, prefill_chunk=0), r"prefill_chunk=0 is invalid; accepted: an integer >= 1"),
+    (dict(max_new_tokens=10, prefill_chunk=-32), r"prefill_chunk=-32 is invalid"),
+    (dict(max_new_tokens=10, cache_dtype="int8"), r"cache_dtype='int8' is invalid; accepted: None .* floating"),
+    (dict(max_new_tokens=10, cache_dtype="foo"), r"cache_dtype='foo' is invalid"),
+    (dict(max_new_tokens=10, mesh="tp"), r"mesh='tp' is invalid; accepted: None .* jax.sharding.Mesh"),
+    (dict(max_new_tokens=10, split_weights="no"), r"split_weights='no' is invalid; accepted: True or False"),
+    (dict(max_new_tokens=10, schedule=2.0), r"schedule=2.0 is invalid; accepted: None"),
 ])
 def test_bad_arguments_raise_clear_errors(kw, needle):
     with pytest.raises(ValueError, match=needle):
         ar_generate((CFG, PARAMS), PROMPT, **kw)
+
+
+def test_a_schedule_list_or_numpy_period_decodes_as_its_canonical_form():
+    """`schedule` is a jit static argument: a list (unhashable) or np.int64 period runs as the string / int."""
+    want = ar_generate((CFG, PARAMS), PROMPT, 6, schedule="RURU", prefill_chunk=64).tokens
+    np.testing.assert_array_equal(ar_generate((CFG, PARAMS), PROMPT, 6, schedule=["R", "U", "R", "U"],
+                                              prefill_chunk=64).tokens, want)
+    np.testing.assert_array_equal(ar_generate((CFG, PARAMS), PROMPT, 6, schedule=np.int64(2),
+                                              prefill_chunk=64).tokens, want)
 
 
 def test_unknown_model_type_is_rejected():

@@ -39,6 +39,20 @@ def test_invalid_schedules_raise_clear_value_errors(bad, needle):
         sched.parse(bad, 4)
 
 
+@pytest.mark.parametrize("bad", [2.0, True, "", [], {"R": 1}, (1, 0, 1, 0)])
+def test_a_schedule_of_another_type_is_named_with_the_accepted_forms(bad):
+    with pytest.raises(ValueError, match=r"schedule.* is invalid; accepted: "):
+        sched.canonical(bad)
+
+
+def test_canonical_schedules_are_none_an_int_period_or_an_rU_string():
+    assert sched.canonical(None) is None
+    assert sched.canonical(np.int64(4)) == 4 and type(sched.canonical(np.int64(4))) is int
+    for form in ("RUUR", ("R", "U", "U", "R"), [True, False, False, True], (np.True_, False, False, True)):
+        assert sched.canonical(form) == "RUUR"
+    assert sched.parse(np.int64(2), 4) == sched.parse(2, 4) == (True, False, True, False)
+
+
 @pytest.mark.parametrize("flags", ["RRRRRRRRR", "RUUURUUUR", "RURUURUUU", "RUUUUUUUU"])
 def test_segmented_equals_a_plain_layer_loop_exactly(flags):
     """run_layers reproduces a Python loop over layers bit for bit, rolled or unrolled."""

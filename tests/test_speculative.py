@@ -136,16 +136,52 @@ def test_mode_b_generation_runs_in_class_approx():
     (dict(schedule=2), "strict"),
     (dict(precision="loose"), "precision"),
     (dict(budget=500), "budget"),
+    (dict(schedule=2.0, precision="strict"), r"schedule=2.0 is invalid; accepted: None"),
+    (dict(schedule=True), r"schedule=True is invalid"),
+    (dict(schedule="RXRU", precision="strict"), r"schedule entry 'X' is invalid; accepted: 'R', 'U'"),
+    (dict(group_size=True), r"group_size=True is invalid; accepted: an integer >= 1"),
 ])
 def test_bad_policy_raises_clear_value_error(kw, needle):
     with pytest.raises(ValueError, match=needle):
         SSVPolicy(**{**TREE, **kw})
 
 
+def test_a_policy_stores_its_schedule_in_one_form_and_round_trips_it():
+    """Equal schedules make equal (hashable) policies whatever form they came in; `describe` and `to_dict` show
+    the schedule itself (a tuple of bools once printed as all refresh)."""
+    strict = dict(TREE, precision="strict")
+    p = SSVPolicy(**strict, schedule="RURU")
+    assert SSVPolicy(**strict, schedule=(True, False, True, False)) == p
+    assert SSVPolicy(**strict, schedule=["R", "U", "R", "U"]) == p and hash(p) == hash(SSVPolicy(**p.to_dict()))
+    assert "schedule=RURU" in p.describe() and p.to_dict()["schedule"] == "RURU"
+    assert SSVPolicy.from_dict(p.to_dict()) == p
+    assert SSVPolicy(**strict, schedule=np.int64(2)).schedule == 2 and "schedule=P=2" in SSVPolicy(
+        **strict, schedule=np.int64(2)).describe()
+    assert SSVPolicy(**{**TREE, "top_k": np.int64(TREE["top_k"])}) == SSVPolicy(**TREE)
+
+
 def test_group_size_must_divide_the_tree_rows():
     with pytest.raises(ValueError, match="group_size"):
         ssv_generate(MODEL, PROMPT, max_new_tokens=8, policy=SSVPolicy(**CHAIN, group_size=2, backend="kernel"),
                      prefill_chunk=64)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(planner="x"), r"planner of type str is invalid; accepted: None or an ssv_jax.planner.Planner"),
+    (dict(prefill_chunk=-8), r"prefill_chunk=-8 is invalid; accepted: an integer >= 1"),
+    (dict(temperature=float("nan")), r"temperature=nan is invalid; accepted: a finite float >= 0"),
+    (dict(seed=None), r"seed=None is invalid; accepted: an integer"),
+    (dict(progress="yes"), r"progress='yes' is invalid; accepted: True or False"),
+])
+def test_bad_generation_options_are_named_before_any_device_work(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        ssv_generate(MODEL, PROMPT, max_new_tokens=8, policy=SSVPolicy(**TREE), **kw)
+
+
+def test_a_model_tuple_must_hold_configs_not_dicts():
+    bad = (MODEL.cfg, MODEL.params, MODEL.draft_cfg.to_dict(), MODEL.draft_params)
+    with pytest.raises(ValueError, match=r"\(ModelConfig, params, dict, draft_params\) is invalid; accepted"):
+        ssv_generate(bad, PROMPT, max_new_tokens=8, policy=SSVPolicy(**TREE))
 
 
 @pytest.mark.parametrize("chunk_rounds", [0, 2.5])

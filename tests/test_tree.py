@@ -162,9 +162,18 @@ def test_treespec_validation(kw, field, rng):
     assert e.match(rng)
 
 
+def test_treespec_takes_numpy_integers_as_plain_ints():
+    t = TreeSpec(np.int64(4), np.int32(6), np.int64(32))
+    assert t == TreeSpec(4, 6, 32) and hash(t) == hash(TreeSpec(4, 6, 32)) and type(t.top_k) is int
+    with pytest.raises(ValueError, match="top_k=True is invalid; accepted: an integer"):
+        TreeSpec(True, 2, 3)
+
+
 def test_treespec_parse_list_reads_the_command_line_form():
     assert TreeSpec.parse_list("4,6,32;8, 6,64") == [TreeSpec(4, 6, 32), TreeSpec(8, 6, 64)]
-    for bad in ("4,6", "4,6,32;", "a,6,32", "4,6,32,1"):
+    with pytest.raises(ValueError, match=r"trees=None is invalid; accepted: a string"):
+        TreeSpec.parse_list(None)
+    for bad in ("4,6", "4,6,32;", "a,6,32", "4,6,32,1", "--4,6,32", "4-,6,32"):
         with pytest.raises(ValueError, match="top_k,depth,budget") as e:
             TreeSpec.parse_list(bad)
         assert repr(bad) in str(e.value)
