@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from ssv_jax import model as M
 from ssv_jax.config import ModelConfig
 
 FORMAT = "ssv-bundle"
@@ -146,21 +147,58 @@ def _cfg_dict(cfg) -> dict:
                      f"object with to_dict()")
 
 
+def check_draft(draft_cfg, cfg: ModelConfig, draft_params) -> None:
+    """Raise `ValueError` unless `draft_cfg` is a `DraftConfig` that can draft for `cfg` (`draft.check_compatible`)
+    and `draft_params` has the keys, shapes and dtype kinds of `draft.init_draft_params(draft_cfg, ...)`."""
+    from ssv_jax.draft import DraftConfig, check_compatible, init_draft_params
+
+    if not isinstance(draft_cfg, DraftConfig):
+        raise ValueError(f"draft_cfg is a {type(draft_cfg).__name__}; accepted: ssv_jax.draft.DraftConfig")
+    check_compatible(draft_cfg, cfg)
+    want = flatten_params(jax.eval_shape(lambda: init_draft_params(draft_cfg, jax.random.key(0))))
+    got = flatten_params(draft_params)
+    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or unexpected:
+        problem = " and ".join(([f"lack keys {missing}"] if missing else [])
+                               + ([f"have unexpected keys {unexpected}"] if unexpected else []))
+        raise ValueError(f"draft params {problem}; accepted: exactly the keys {sorted(want)} for this DraftConfig "
+                         f"(has_embed={draft_cfg.has_embed})")
+    for name, w in want.items():
+        a = got[name]
+        if tuple(a.shape) != tuple(w.shape):
+            raise ValueError(f"draft params[{name!r}] has shape {tuple(a.shape)}; accepted: {tuple(w.shape)} for "
+                             f"this DraftConfig")
+        floating = jnp.issubdtype(w.dtype, jnp.floating)
+        if not (jnp.issubdtype(a.dtype, jnp.floating) if floating else np.dtype(a.dtype) == w.dtype):
+            raise ValueError(f"draft params[{name!r}] has dtype {np.dtype(a.dtype).name}; accepted: "
+                             f"{'a floating dtype' if floating else w.dtype.name}")
+
+
 def save_bundle(path: str | Path, cfg: ModelConfig, params: dict, *, draft_cfg=None, draft_params: dict | None = None,
                 tokenizer=None, dtype=None, force: bool = False, extra_meta: dict | None = None) -> Path:
     """Writes a bundle directory at `path` (atomically) and returns it.
 
+    `params` must match `cfg` (`model.check_params`: the `init_params` layout) and a draft head must fit the target
+    (`check_draft`); a mismatch raises `ValueError` before anything is written.
     `dtype` ("bfloat16", "float16", "float32", a numpy/jnp dtype, or None to keep) is applied to floating arrays.
     `tokenizer` is an `ssv_jax.tokenizer.Tokenizer` (or anything with `to_str()`). An existing `path` is replaced
-    only when `force`. `extra_meta` (JSON-able) is stored under "meta" in config.json.
+    only when `force` (a bool). `extra_meta` (JSON-able) is stored under "meta" in config.json.
     """
     path = Path(path)
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg is a {type(cfg).__name__}; accepted: ssv_jax.config.ModelConfig")
+    if not isinstance(force, bool):
+        raise ValueError(f"force={force!r} is invalid; accepted: True or False")
+    if tokenizer is not None and not callable(getattr(tokenizer, "to_str", None)):
+        raise ValueError(f"tokenizer={tokenizer!r} is invalid; accepted: None or an ssv_jax.tokenizer.Tokenizer "
+                         f"(an object with a to_str() method)")
     if (draft_cfg is None) != (draft_params is None):
         raise ValueError("draft_cfg and draft_params must be given together; got "
                          f"draft_cfg={'set' if draft_cfg is not None else None}, "
                          f"draft_params={'set' if draft_params is not None else None}")
+    M.check_params(cfg, params)
+    if draft_cfg is not None:
+        check_draft(draft_cfg, cfg, draft_params)
     if path.exists() and not force:
         raise FileExistsError(f"bundle path {str(path)!r} exists; pass force=True to replace it")
     dname = dtype if isinstance(dtype, str) or dtype is None else _dtype_name(dtype)
@@ -248,37 +286,57 @@ def read_bundle_meta(path: str | Path) -> dict:
 def inference_dtype(name="auto"):
     """The compute dtype for a name or dtype: "auto" is bfloat16 on a GPU backend (the Pallas kernels' dots then
     run on tensor cores; fp32 kernel dots run at full precision on the CUDA cores, several times slower) and
-    float32 elsewhere (the CPU tests and exactness checks); None stays None (keep the stored dtype)."""
+    float32 elsewhere (the CPU tests and exactness checks); None stays None (keep the stored dtype). Only
+    float32, bfloat16 and float16 are accepted (float64 would silently be float32 without jax_enable_x64)."""
     if name is None:
         return None
     if isinstance(name, str) and name == "auto":
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     try:
-        return jnp.dtype(name)
-    except TypeError as e:
-        raise ValueError(f"dtype={name!r} is invalid; accepted: 'auto', 'float32', 'bfloat16' (or a dtype), "
-                         "or None (keep the stored dtype)") from e
+        dt = jnp.dtype(name)
+    except TypeError:
+        dt = None
+    if dt is None or dt not in [jnp.dtype(v) for v in _DTYPES.values()]:
+        raise ValueError(f"dtype={name!r} is invalid; accepted: 'auto', 'float32', 'bfloat16', 'float16' (or one "
+                         "of those dtypes), or None (keep the stored dtype)")
+    return dt
 
 
 def load_bundle(path: str | Path, dtype="auto", *, verify: bool = True) -> Bundle:
     """Reads a bundle written by `save_bundle`. Floating arrays are cast to `dtype` (`inference_dtype`: "auto" is
     bfloat16 on a GPU, float32 elsewhere; None keeps the stored dtype). `verify` checks each shard's SHA-256.
-    Raises FileNotFoundError for a missing directory and ValueError for a corrupt or foreign one."""
+    The params are checked against the config (`model.check_params`, `check_draft`) and come in the
+    `init_params` layout (stacked layers). Raises FileNotFoundError for a missing directory and ValueError for a
+    corrupt or foreign one."""
     dtype = inference_dtype(dtype)
     path = Path(path)
     meta = read_bundle_meta(path)
-    cfg = ModelConfig.from_dict(meta["model"])
-    params = _load_group(path, meta["tensors"]["target"], meta["sha256"], dtype, verify)
+    tensors = meta.get("tensors")
+    missing = [k for k in ("model", "tensors", "sha256") if k not in meta]
+    missing += [] if missing or not isinstance(tensors, dict) or "target" in tensors else ["tensors/target"]
+    if meta.get("draft") is not None and isinstance(tensors, dict) and "draft" not in tensors:
+        missing.append("tensors/draft")
+    if missing:
+        raise ValueError(f"bundle {str(path)!r} is corrupt: config.json lacks {missing}")
+    try:
+        cfg = ModelConfig.from_dict(meta["model"])
+    except ValueError as e:
+        raise ValueError(f"bundle {str(path)!r} is corrupt: its model config is invalid ({e})") from e
+    params = _load_group(path, tensors["target"], meta["sha256"], dtype, verify)
+    try:
+        M.check_params(cfg, params)
+    except ValueError as e:
+        raise ValueError(f"bundle {str(path)!r} is corrupt: its target weights do not match its config ({e})") from e
     draft_cfg = draft_params = None
     if meta.get("draft") is not None:
         from ssv_jax.draft import DraftConfig  # lazy: the draft module is optional for target-only bundles
 
-        d = meta["draft"]
-        if hasattr(DraftConfig, "from_dict"):
-            draft_cfg = DraftConfig.from_dict(d)
-        else:  # JSON turned tuples into lists
-            draft_cfg = DraftConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-        draft_params = _load_group(path, meta["tensors"]["draft"], meta["sha256"], dtype, verify)
+        draft_params = _load_group(path, tensors["draft"], meta["sha256"], dtype, verify)
+        try:
+            draft_cfg = DraftConfig.from_dict(meta["draft"])
+            check_draft(draft_cfg, cfg, draft_params)
+        except ValueError as e:
+            raise ValueError(f"bundle {str(path)!r} is corrupt: its draft head is invalid ({e})") from e
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         from ssv_jax.tokenizer import Tokenizer

@@ -27,11 +27,13 @@ import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import jax
 import ml_dtypes
 import numpy as np
 
 from ssv_jax import checkpoint as ckpt
-from ssv_jax.config import ModelConfig, RopeScaling
+from ssv_jax import model as M
+from ssv_jax.config import ModelConfig, RopeScaling, is_finite_real, is_int
 
 FORMATS = ("fla-nsa", "zen-e-nsa", "llama", "eagle3")
 TARGET_FORMATS = FORMATS[:3]
@@ -47,6 +49,17 @@ _SRC_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
 
 class ConversionError(ValueError):
     """A checkpoint that cannot be converted: unknown format, missing key, bad shape or unsupported config."""
+
+
+def _read_json_dict(path: Path, what: str) -> dict:
+    """The JSON object in `path`; ConversionError when it is not JSON or not an object."""
+    try:
+        obj = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{what} {str(path)!r} is not JSON ({e}); accepted: a JSON object") from e
+    if not isinstance(obj, dict):
+        raise ConversionError(f"{what} {str(path)!r} holds a JSON {type(obj).__name__}; accepted: a JSON object")
+    return obj
 
 
 # -- reading -------------------------------------------------------------------------------------------------------
@@ -102,7 +115,7 @@ class Checkpoint:
         self.path = path
         if config and not cfg_path.is_file():
             raise FileNotFoundError(f"config file {str(cfg_path)!r} does not exist")
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config = _read_json_dict(cfg_path, "config file") if cfg_path.is_file() else {}
         self.index: dict[str, tuple[Path, tuple, str]] = {}
         for f in self.files:
             for k, shape, dt in self._list(f):
@@ -114,7 +127,7 @@ class Checkpoint:
     def _dir_files(d: Path) -> list[Path]:
         for idx in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             if (d / idx).is_file():
-                wm = json.loads((d / idx).read_text()).get("weight_map")
+                wm = _read_json_dict(d / idx, "shard index").get("weight_map")
                 if not isinstance(wm, dict) or not wm:
                     raise ConversionError(f"{str(d / idx)!r} has no 'weight_map'; accepted: an HF shard index")
                 files = [d / f for f in sorted(set(wm.values()))]
@@ -209,6 +222,40 @@ def _cfg_get(c: dict, *names, default=KeyError):
     return default
 
 
+def _cfg_number(c: dict, *names, default=KeyError, integer: bool = True, where: str = "config"):
+    """`_cfg_get` for a positive size or count (`integer`: an int, or a float with an integral value) or a
+    positive finite float; ConversionError naming the field otherwise."""
+    v = _cfg_get(c, *names, default=default)
+    name = next((n for n in names if c.get(n) is not None), names[0])
+    if integer:
+        if is_finite_real(v) and not is_int(v) and float(v).is_integer():
+            v = int(v)
+        if not (is_int(v) and v >= 1):
+            raise ConversionError(f"{where} {name}={v!r} is invalid; accepted: an integer >= 1")
+        return int(v)
+    if not (is_finite_real(v) and v > 0):
+        raise ConversionError(f"{where} {name}={v!r} is invalid; accepted: a finite number > 0")
+    return float(v)
+
+
+def _cfg_int(c: dict, *names, default=KeyError, where: str = "config") -> int:
+    """A positive integer config field (see `_cfg_number`)."""
+    return _cfg_number(c, *names, default=default, integer=True, where=where)
+
+
+def _cfg_float(c: dict, *names, default=KeyError, where: str = "config") -> float:
+    """A positive finite float config field (see `_cfg_number`)."""
+    return _cfg_number(c, *names, default=default, integer=False, where=where)
+
+
+def _cfg_bool(c: dict, name: str, default: bool = False) -> bool:
+    """A boolean config field; ConversionError naming it when it is not true/false."""
+    v = c.get(name, default)
+    if not isinstance(v, bool):
+        raise ConversionError(f"config {name}={v!r} is invalid; accepted: true or false")
+    return v
+
+
 def detect_format(ck: Checkpoint) -> str:
     """The format of `ck` from its key names, falling back to config.json's architectures/model_type."""
     keys = set(ck.index)
@@ -238,10 +285,25 @@ def _check_sources(ck: Checkpoint, fmt: str, entries: list) -> None:
         for s in e.srcs:
             if s.key not in ck.index:
                 raise ConversionError(f"checkpoint {str(ck.path)!r} (format {fmt}) lacks required key {s.key!r}")
-            got = ck.index[s.key][1]
+            _, got, src_dtype = ck.index[s.key]
             if got != tuple(s.shape):
                 raise ConversionError(f"key {s.key!r} has shape {list(got)}; expected {list(s.shape)} ({s.what}) "
                                       f"for format {fmt}")
+            if e.op in ("T", "id") and not _is_floating(_out_dtype("keep", src_dtype)):
+                raise ConversionError(f"key {s.key!r} has dtype {src_dtype}; accepted: a floating dtype (bf16, fp16, "
+                                      f"fp32, fp64) for a weight")
+
+
+def _is_floating(dtype) -> bool:
+    return dtype == np.dtype(ml_dtypes.bfloat16) or np.issubdtype(dtype, np.floating)
+
+
+def _check_fits(cfg: ModelConfig, params: dict, fmt: str) -> None:
+    """`model.check_params` as a ConversionError (params may be shapes: `jax.ShapeDtypeStruct` leaves)."""
+    try:
+        M.check_params(cfg, params)
+    except ValueError as e:
+        raise ConversionError(f"the converted {fmt} weights do not fit the converted config: {e}") from e
 
 
 def _leftover(ck: Checkpoint, used: set, fmt: str) -> list:
@@ -257,15 +319,30 @@ def _rope_scaling(c: dict):
     rs = c.get("rope_scaling")
     if not rs:
         return None
+    if not isinstance(rs, dict):
+        raise ConversionError(f"config rope_scaling={rs!r} is invalid; accepted: null or an object with rope_type "
+                              f"(and for 'llama3': factor, low_freq_factor, high_freq_factor, "
+                              f"original_max_position_embeddings)")
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
     if kind != "llama3":
         raise ConversionError(f"rope_scaling type {kind!r} is not supported; accepted: none, 'default' or "
                               f"'llama3'")
-    return RopeScaling(factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
-                       high_freq_factor=float(rs["high_freq_factor"]),
-                       original_max_position=int(rs["original_max_position_embeddings"]))
+    w = "config rope_scaling"
+    need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in need if rs.get(k) is None]
+    if missing:
+        raise ConversionError(f"{w} (llama3) lacks {missing}; accepted: an object with {', '.join(need)}")
+    try:
+        return RopeScaling(factor=_cfg_float(rs, "factor", where=w),
+                           low_freq_factor=_cfg_float(rs, "low_freq_factor", where=w),
+                           high_freq_factor=_cfg_float(rs, "high_freq_factor", where=w),
+                           original_max_position=_cfg_int(rs, "original_max_position_embeddings", where=w))
+    except ConversionError:
+        raise
+    except ValueError as e:
+        raise ConversionError(f"config rope_scaling={rs!r} is invalid: {e}") from e
 
 
 def _keys(embed: str, attn: str, attn_norm: str, mlp_norm: str) -> dict:
@@ -296,10 +373,10 @@ def plan_target(ck: Checkpoint, fmt: str, overrides: dict | None = None, name: s
     V, H = ck.index[K["embed"]][1]
     if _cfg_get(c, "hidden_act", default="silu") not in ("silu", "swish"):
         raise ConversionError(f"hidden_act={c['hidden_act']!r} is not supported; accepted: 'silu' / 'swish'")
-    L = int(_cfg_get(c, "num_hidden_layers"))
+    L = _cfg_int(c, "num_hidden_layers")
     if fmt == "fla-nsa":
-        Hq = int(_cfg_get(c, "num_heads"))
-        Hkv = int(_cfg_get(c, "num_kv_heads", default=Hq))
+        Hq = _cfg_int(c, "num_heads")
+        Hkv = _cfg_int(c, "num_kv_heads", default=Hq)
         q0 = K["wq"].format(i=0)
         if q0 not in ck.index:
             raise ConversionError(f"checkpoint {str(ck.path)!r} (format {fmt}) lacks required key {q0!r}")
@@ -307,46 +384,46 @@ def plan_target(ck: Checkpoint, fmt: str, overrides: dict | None = None, name: s
         if c.get("head_dim") not in (None, D):
             notes.append(f"config head_dim={c['head_dim']} is not what the layers use; head_dim={D} taken from "
                          f"q_proj (fla's NSABlock does not pass head_dim to NativeSparseAttention)")
-        eps, tie = float(_cfg_get(c, "norm_eps", default=1e-6)), bool(c.get("tie_word_embeddings", False))
+        eps, tie = _cfg_float(c, "norm_eps", default=1e-6), _cfg_bool(c, "tie_word_embeddings")
         scaling = None
         if c.get("qkv_bias"):
             raise ConversionError("config qkv_bias=True is not supported; accepted: qkv_bias=False")
     else:
-        Hq = int(_cfg_get(c, "num_attention_heads"))
-        Hkv = int(_cfg_get(c, "num_key_value_heads", default=Hq))
-        D = int(_cfg_get(c, "head_dim", default=H // Hq))
-        eps, tie = float(_cfg_get(c, "rms_norm_eps", default=1e-6)), bool(c.get("tie_word_embeddings", False))
+        Hq = _cfg_int(c, "num_attention_heads")
+        Hkv = _cfg_int(c, "num_key_value_heads", default=Hq)
+        D = _cfg_int(c, "head_dim", default=H // Hq)
+        eps, tie = _cfg_float(c, "rms_norm_eps", default=1e-6), _cfg_bool(c, "tie_word_embeddings")
         scaling = _rope_scaling(c)
         for b in ("attention_bias", "mlp_bias"):
             if c.get(b):
                 raise ConversionError(f"config {b}=True is not supported; accepted: {b}=False")
     gate0 = K["w_gate"].format(i=0)
-    F = _cfg_get(c, "intermediate_size", default=ck.index[gate0][1][0] if gate0 in ck.index else None)
-    if F is None:
+    if c.get("intermediate_size") is None and gate0 not in ck.index:
         raise ConversionError(f"checkpoint {str(ck.path)!r} (format {fmt}) lacks required key {gate0!r}")
-    F = int(F)
+    F = _cfg_int(c, "intermediate_size", default=ck.index[gate0][1][0] if gate0 in ck.index else None)
     if fmt == "llama":
         nsa = dict(NSA_DEFAULTS)
         notes.append("dense Llama: NSA settings are the paper defaults (l=32, d=16, l'=64, n=16, w=512) unless "
                      "overridden; gate weights wg are zero (every gate 0.5). The weights were trained for dense "
                      "attention: use them with a dense attention path (dense-SD baseline), not as an NSA model")
     else:
-        bs = int(_cfg_get(c, "block_size", default=64))
+        bs = _cfg_int(c, "block_size", default=64)
         win = _cfg_get(c, "window_size", default=512 if fmt == "fla-nsa" else None)
         if not win:
             raise ConversionError(f"window_size={win!r} is not supported; accepted: an integer >= block_size "
                                   f"(the model always runs the window branch)")
+        win = _cfg_int(c, "window_size")
         bc = _cfg_get(c, "block_counts", default=16)
-        if not isinstance(bc, int):
+        if not is_int(bc):
             raise ConversionError(f"block_counts={bc!r} is not supported; accepted: one integer")
-        nsa = dict(cmp_len=bs, cmp_stride=bs, slc_block=bs, n_slc=bc, window=int(win), compression="mean")
+        nsa = dict(cmp_len=bs, cmp_stride=bs, slc_block=bs, n_slc=int(bc), window=win, compression="mean")
         if fmt == "zen-e-nsa":
             notes.append("zen-E/NSA-1B forces only the current selection block; our routing also forces block 0 "
                          "and the previous block (DESIGN.md). Outputs match while the forced blocks would be "
                          "selected anyway (e.g. t < n*block_size); see docs/CONVERSION.md")
     fields = dict(vocab_size=V, hidden=H, n_layers=L, n_heads=Hq, n_kv_heads=Hkv, head_dim=D, ffn=F,
-                  rope_theta=float(_cfg_get(c, "rope_theta", default=10000.0)), rope_scaling=scaling, norm_eps=eps,
-                  tie_embeddings=tie, max_seq_len=int(_cfg_get(c, "max_position_embeddings", default=2048)),
+                  rope_theta=_cfg_float(c, "rope_theta", default=10000.0), rope_scaling=scaling, norm_eps=eps,
+                  tie_embeddings=tie, max_seq_len=_cfg_int(c, "max_position_embeddings", default=2048),
                   name=name or f"{fmt}:{ck.path.name}", **nsa)
     over = dict(overrides or {})
     if fmt != "llama" and set(over) & set(NSA_DEFAULTS):
@@ -389,6 +466,14 @@ def plan_target(ck: Checkpoint, fmt: str, overrides: dict | None = None, name: s
         used.add(K["lm_head"])
     _check_sources(ck, fmt, entries)
     unexpected = _leftover(ck, used, fmt)
+    beyond = sorted({int(m.group(1)) for k in unexpected if (m := re.match(r"model\.layers\.(\d+)\.", k))
+                     and int(m.group(1)) >= L})
+    if beyond:
+        raise ConversionError(f"checkpoint {str(ck.path)!r} holds weights of layer {beyond[-1]} (at least "
+                              f"{beyond[-1] + 1} layers) but num_hidden_layers={L}; accepted: num_hidden_layers "
+                              f"equal to the checkpoint's layer count")
+    shapes = {e.name: e.shape for e in entries} | synth  # checked before any tensor is read
+    _check_fits(cfg, ckpt.unflatten_params({k: jax.ShapeDtypeStruct(v, np.float32) for k, v in shapes.items()}), fmt)
     return Plan(fmt, ck, cfg, entries, synth, missing, unexpected, notes)
 
 
@@ -403,23 +488,23 @@ def plan_eagle3(ck: Checkpoint, target_cfg: ModelConfig) -> Plan:
     if f"{pre}.self_attn.q_proj.weight" not in keys:
         raise ConversionError(f"checkpoint {str(ck.path)!r} (format eagle3) lacks required key "
                               f"'midlayer.self_attn.q_proj.weight' (or 'layers.0.self_attn.q_proj.weight')")
-    H = int(_cfg_get(c, "hidden_size"))
+    H = _cfg_int(c, "hidden_size")
     if _cfg_get(c, "hidden_act", default="silu") not in ("silu", "swish"):
         raise ConversionError(f"hidden_act={c['hidden_act']!r} is not supported; accepted: 'silu' / 'swish'")
     if c.get("target_hidden_size") not in (None, H):
         raise ConversionError(f"target_hidden_size={c['target_hidden_size']} differs from hidden_size={H}; "
                               f"accepted: a head whose hidden size equals the target's")
-    Hq = int(_cfg_get(c, "num_attention_heads"))
-    Hkv = int(_cfg_get(c, "num_key_value_heads", default=Hq))
-    D = int(_cfg_get(c, "head_dim", default=H // Hq))
-    F = int(_cfg_get(c, "intermediate_size"))
-    V = int(_cfg_get(c, "vocab_size", default=target_cfg.vocab_size))
-    Vd = int(_cfg_get(c, "draft_vocab_size", default=ck.index.get("lm_head.weight", (0, (V,)))[1][0]))
+    Hq = _cfg_int(c, "num_attention_heads")
+    Hkv = _cfg_int(c, "num_key_value_heads", default=Hq)
+    D = _cfg_int(c, "head_dim", default=H // Hq)
+    F = _cfg_int(c, "intermediate_size")
+    V = _cfg_int(c, "vocab_size", default=target_cfg.vocab_size)
+    Vd = _cfg_int(c, "draft_vocab_size", default=ck.index.get("lm_head.weight", (0, (V,)))[1][0])
     rs = c.get("rope_scaling") or {}
-    if rs.get("rope_type", rs.get("type")) not in (None, "default"):
+    if not isinstance(rs, dict) or rs.get("rope_type", rs.get("type")) not in (None, "default"):
         raise ConversionError(f"EAGLE-3 rope_scaling={c.get('rope_scaling')!r} is not supported; accepted: none "
                               f"(the head uses plain RoPE)")
-    theta = float(_cfg_get(c, "rope_theta", default=10000.0))
+    theta = _cfg_float(c, "rope_theta", default=10000.0)
     if "rope_theta" not in c:
         notes.append("head config has no rope_theta: RoPE base 10000 (EAGLE's default)")
     has_embed = "embed_tokens.weight" in keys
@@ -427,7 +512,7 @@ def plan_eagle3(ck: Checkpoint, target_cfg: ModelConfig) -> Plan:
     try:
         dcfg = DraftConfig.for_target(target_cfg, draft_vocab=Vd, hidden=H, n_heads=Hq, n_kv_heads=Hkv,
                                       head_dim=D, ffn=F, rope_theta=theta,
-                                      norm_eps=float(_cfg_get(c, "rms_norm_eps", default=1e-6)),
+                                      norm_eps=_cfg_float(c, "rms_norm_eps", default=1e-6),
                                       target_vocab=V, has_embed=has_embed)
         check_compatible(dcfg, target_cfg)
     except ValueError as e:
@@ -576,16 +661,40 @@ class Report:
         return "\n".join(lines)
 
 
+def _head_taps(head: Checkpoint) -> tuple | None:
+    """The target layers an EAGLE-3 head's config names (`eagle_config.eagle_aux_hidden_state_layer_ids`), or
+    None."""
+    ec = head.config.get("eagle_config") or {}
+    if not isinstance(ec, dict):
+        raise ConversionError(f"eagle_config={ec!r} is invalid; accepted: an object (or none)")
+    taps = ec.get("eagle_aux_hidden_state_layer_ids")
+    if taps is None:
+        return None
+    if not (isinstance(taps, list) and all(is_int(i) and i >= 0 for i in taps)):
+        raise ConversionError(f"eagle_config.eagle_aux_hidden_state_layer_ids={taps!r} is invalid; accepted: a "
+                              f"list of layer indices >= 0")
+    return tuple(int(i) for i in taps)
+
+
 def _load_target(path: Path) -> ckpt.Bundle:
     """The target (config, params in their stored dtypes, tokenizer) of an existing bundle; its draft, if any,
     is not read (it is being replaced)."""
     from ssv_jax.tokenizer import Tokenizer
 
-    meta = ckpt.read_bundle_meta(path)
-    params = ckpt._load_group(path, meta["tensors"]["target"], meta["sha256"], None, True)
+    try:
+        meta = ckpt.read_bundle_meta(path)
+        tensors = meta.get("tensors")
+        if not isinstance(tensors, dict) or "target" not in tensors or "model" not in meta or "sha256" not in meta:
+            raise ValueError(f"bundle {str(path)!r} is corrupt: config.json lacks 'model', 'sha256' or "
+                             f"'tensors/target'")
+        cfg = ModelConfig.from_dict(meta["model"])
+        params = ckpt._load_group(path, tensors["target"], meta["sha256"], None, True)
+    except ConversionError:
+        raise
+    except ValueError as e:
+        raise ConversionError(f"--target-bundle {str(path)!r} cannot be used: {e}") from e
     tok = Tokenizer.load(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None
-    return ckpt.Bundle(ModelConfig.from_dict(meta["model"]), params, None,
-                       {} if meta.get("draft") is not None else None, tok)
+    return ckpt.Bundle(cfg, params, None, {} if meta.get("draft") is not None else None, tok)
 
 
 # -- entry point ---------------------------------------------------------------------------------------------------
@@ -633,10 +742,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, fmt: str = "auto", c
         if target_bundle is not None:
             raise ConversionError(f"--target-bundle is for an EAGLE-3 head source; the source is {fmt}")
         head = Checkpoint(draft, draft_config) if draft is not None else None
-        taps = ((head.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-                if head is not None else None)
+        taps = _head_taps(head) if head is not None else None
         if taps and "feature_layers" not in (overrides or {}):  # vLLM/AngelSlim heads name the tapped layers
-            overrides = {**(overrides or {}), "feature_layers": tuple(int(i) for i in taps)}
+            overrides = {**(overrides or {}), "feature_layers": taps}
         tplan = plan_target(main, fmt, overrides, name)
         tcfg = tplan.cfg
     dplan = None
@@ -674,6 +782,12 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, fmt: str = "auto", c
     if dplan is not None:
         dparams = materialize(dplan, dtype, progress)
         report.groups.append(("draft", dplan, dparams))
+    _check_fits(tcfg, tparams, fmt if tplan is not None else "target bundle")
+    if dplan is not None:
+        try:
+            ckpt.check_draft(dplan.cfg, tcfg, dparams)
+        except ValueError as e:
+            raise ConversionError(f"the converted EAGLE-3 head does not fit the target: {e}") from e
     meta = {"converted_from": {"source": str(src), "format": fmt, "draft": None if dplan is None else
                                str(dplan.ck.path)},
             "notes": [n for _, p, _ in report.groups for n in p.notes] + report.notes}

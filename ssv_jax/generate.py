@@ -20,7 +20,7 @@ from ssv_jax import model as M
 from ssv_jax import nsa
 from ssv_jax import schedule as sched
 from ssv_jax import sharding
-from ssv_jax.config import ModelConfig
+from ssv_jax.config import ModelConfig, is_finite_real, is_int
 
 
 @dataclass
@@ -51,7 +51,7 @@ def prepare_prompt(cfg: ModelConfig, prompt_ids, max_new_tokens: int, extra_room
     if p.ndim != 2:
         raise ValueError(f"prompt_ids has shape {p.shape}; accepted: [P] or [B, P]")
     M.validate_tokens(cfg, p)
-    if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
+    if not (is_int(max_new_tokens) and max_new_tokens >= 1):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; accepted: an integer >= 1")
     need = p.shape[1] + max_new_tokens + extra_room
     if need > cfg.max_seq_len:
@@ -68,21 +68,15 @@ def sample(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
     return jax.random.categorical(key, logits / temperature, -1).astype(jnp.int32)
 
 
-def _is_int(v) -> bool:
-    """An integer, numpy's included, but not a bool."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
 def _check_options(cfg: ModelConfig, *, temperature, seed, eos_id, prefill_chunk, cache_dtype, mesh, **flags):
     """The checks `ar_generate` and `ssv_generate` share, before any device work; `flags` must be bools."""
-    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.number)) \
-            or not (np.isfinite(temperature) and temperature >= 0):
+    if not (is_finite_real(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r} is invalid; accepted: a finite float >= 0")
-    if not (_is_int(seed) and -2 ** 63 <= seed < 2 ** 63):
+    if not (is_int(seed) and -2 ** 63 <= seed < 2 ** 63):
         raise ValueError(f"seed={seed!r} is invalid; accepted: an integer in [-2**63, 2**63)")
-    if eos_id is not None and not (_is_int(eos_id) and 0 <= eos_id < cfg.vocab_size):
+    if eos_id is not None and not (is_int(eos_id) and 0 <= eos_id < cfg.vocab_size):
         raise ValueError(f"eos_id={eos_id!r} is invalid; accepted: None or an id in [0, {cfg.vocab_size})")
-    if not (_is_int(prefill_chunk) and prefill_chunk >= 1):
+    if not (is_int(prefill_chunk) and prefill_chunk >= 1):
         raise ValueError(f"prefill_chunk={prefill_chunk!r} is invalid; accepted: an integer >= 1")
     if cache_dtype is not None:
         try:
@@ -102,7 +96,7 @@ def _check_options(cfg: ModelConfig, *, temperature, seed, eos_id, prefill_chunk
 
 def _check_chunk(name: str, value) -> None:
     """A chunk length (steps or rounds per jitted call) must be an integer >= 1."""
-    if not (_is_int(value) and value >= 1):
+    if not (is_int(value) and value >= 1):
         raise ValueError(f"{name}={value!r} is invalid; accepted: an integer >= 1")
 
 

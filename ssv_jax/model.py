@@ -118,6 +118,72 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     return jax.tree.unflatten(tree, leaves)
 
 
+# What decides each parameter's shape (check_params names it on a mismatch).
+_SHAPE_FIELDS = {
+    "embed": "[vocab_size, hidden]", "norm": "[hidden]", "lm_head": "[hidden, vocab_size]",
+    "attn_norm": "[n_layers, hidden]", "mlp_norm": "[n_layers, hidden]",
+    "wq": "[n_layers, hidden, n_heads*head_dim]", "wk": "[n_layers, hidden, n_kv_heads*head_dim]",
+    "wv": "[n_layers, hidden, n_kv_heads*head_dim]", "wo": "[n_layers, n_heads*head_dim, hidden]",
+    "wg": "[n_layers, hidden, n_heads*3]", "w_gate": "[n_layers, hidden, ffn]", "w_up": "[n_layers, hidden, ffn]",
+    "w_down": "[n_layers, ffn, hidden]",
+    "cmp_wk": "[n_layers, n_kv_heads, cmp_len, head_dim, head_dim]",
+    "cmp_wv": "[n_layers, n_kv_heads, cmp_len, head_dim, head_dim]",
+    "cmp_pek": "[n_layers, n_kv_heads, cmp_len, head_dim]", "cmp_pev": "[n_layers, n_kv_heads, cmp_len, head_dim]",
+}
+
+
+def _presence_hint(cfg: ModelConfig, names) -> str:
+    """The config field that decides whether the named parameters exist."""
+    hints = []
+    if "lm_head" in names:
+        hints.append(f"tie_embeddings={cfg.tie_embeddings} (a tied model has no lm_head)")
+    if any(n.startswith("cmp_") for n in names):
+        hints.append(f"compression={cfg.compression!r} (only 'mlp' has cmp_wk/cmp_wv/cmp_pek/cmp_pev)")
+    return f"; decided by {', '.join(hints)}" if hints else ""
+
+
+def check_params(cfg: ModelConfig, params) -> None:
+    """Raise `ValueError` unless `params` is a parameter pytree of `cfg`: the keys, shapes and floating dtypes of
+    `init_params(cfg, ...)` (any floating dtype: weights may be stored in bf16 and computed in fp32).
+
+    The message names the first mismatching parameter ("layers/wq", as in a bundle's tensor index), its shape,
+    the expected shape and the config fields that decide it, or the missing / unexpected keys. Only the
+    `init_params` layout (stacked layers) is accepted, which is what `checkpoint.load_bundle` returns; the
+    decode layout of `split_layers` is rejected with a pointer to `stack_layers`."""
+    want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    _check_tree(cfg, params, want, "")
+
+
+def _check_tree(cfg: ModelConfig, got, want, path: str) -> None:
+    where = f"params[{path!r}]" if path else "params"
+    if isinstance(want, dict):
+        if path == "layers" and isinstance(got, (list, tuple)):
+            raise ValueError(f"{where} is a list of per-layer dicts (the decode layout of split_layers); accepted: "
+                             f"the init_params layout with stacked layers (use stack_layers(params, cfg))")
+        if not isinstance(got, dict):
+            raise ValueError(f"{where} is a {type(got).__name__}; accepted: a dict with keys {sorted(want)}")
+        missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want), key=str)
+        if missing or unexpected:
+            problem = " and ".join(([f"lacks keys {missing}"] if missing else [])
+                                   + ([f"has unexpected keys {unexpected}"] if unexpected else []))
+            raise ValueError(f"{where} {problem} for ModelConfig name={cfg.name!r}; accepted: exactly the keys "
+                             f"{sorted(want)}{_presence_hint(cfg, missing + unexpected)}")
+        for k in want:
+            _check_tree(cfg, got[k], want[k], f"{path}/{k}" if path else k)
+        return
+    shape, dtype = getattr(got, "shape", None), getattr(got, "dtype", None)
+    fields = _SHAPE_FIELDS.get(path.rsplit("/", 1)[-1], "")
+    expected = f"shape {tuple(want.shape)}" + (f" = {fields}" if fields else "")
+    if shape is None or dtype is None:
+        raise ValueError(f"{where} is a {type(got).__name__}; accepted: a floating array of {expected}")
+    if tuple(shape) != tuple(want.shape):
+        raise ValueError(f"{where} has shape {tuple(shape)}; accepted: {expected} for ModelConfig "
+                         f"name={cfg.name!r}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{where} has dtype {np.dtype(dtype).name}; accepted: a floating dtype (float32, bfloat16, "
+                         f"float16)")
+
+
 FUSED_PROJECTIONS = {"w_qkvg": ("wq", "wk", "wv", "wg"), "w_gu": ("w_gate", "w_up")}
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ssv_jax.config import ModelConfig
+from ssv_jax.config import ModelConfig, is_finite_real, is_int
 from ssv_jax.policy import PRECISIONS, SSVPolicy
 
 PROFILE_VERSION = 1
@@ -43,27 +43,54 @@ class ProfileError(ValueError):
 
 
 def load_profile(path: str) -> dict:
-    """Read and validate a ranking JSON (see module docstring). Raises `ProfileError` naming the problem."""
+    """Read and validate a ranking JSON (see module docstring; `check_profile`). Raises `ProfileError` naming the
+    problem."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ProfileError(f"policy profile path={path!r} is invalid; accepted: a file path (str or os.PathLike)")
     if not os.path.exists(path):
         raise ProfileError(f"policy profile {path!r} does not exist; create it with scripts/profile_policies.py")
     try:
         with open(path) as f:
             prof = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProfileError(f"policy profile {path!r} is not valid JSON: {e}") from e
+    check_profile(prof, f"policy profile {path!r}")
+    return prof
+
+
+def check_profile(prof, where: str = "policy profile") -> None:
+    """Raise `ProfileError` unless `prof` is a valid ranking: the right version, and `buckets` a non-empty dict
+    from bucket keys (`bucket_of`: "8K" ... ">64K") to lists of entries, each a dict with a valid `policy`
+    (`SSVPolicy.from_dict`), a finite `tokens_per_s` > 0 and a finite `tau` >= 1 (a round emits at least the
+    target's own token)."""
     if not isinstance(prof, dict) or prof.get("version") != PROFILE_VERSION:
         got = prof.get("version") if isinstance(prof, dict) else type(prof).__name__
-        raise ProfileError(f"policy profile {path!r} has version {got!r}; accepted: {PROFILE_VERSION}")
+        raise ProfileError(f"{where} has version {got!r}; accepted: {PROFILE_VERSION}")
     buckets = prof.get("buckets")
     if not isinstance(buckets, dict) or not buckets:
-        raise ProfileError(f"policy profile {path!r} has no 'buckets'; accepted: a dict bucket -> ranked list")
+        raise ProfileError(f"{where} has no 'buckets'; accepted: a dict bucket -> ranked list")
+    keys = [_key(b) for b in BUCKETS]
     for b, rows in buckets.items():
-        for r in rows:
+        if b not in keys:
+            raise ProfileError(f"{where}: bucket {b!r} is invalid; accepted: {keys}")
+        if not isinstance(rows, list):
+            raise ProfileError(f"{where}: bucket {b!r} holds a {type(rows).__name__}; accepted: a list of entries")
+        for i, r in enumerate(rows):
+            at = f"{where}, bucket {b!r}, entry {i}"
+            if not isinstance(r, dict):
+                raise ProfileError(f"{at} is a {type(r).__name__}; accepted: a dict with policy, tokens_per_s, tau")
             missing = {"policy", "tokens_per_s", "tau"} - set(r)
             if missing:
-                raise ProfileError(f"policy profile {path!r}, bucket {b!r}: an entry lacks {sorted(missing)}")
-            SSVPolicy.from_dict(r["policy"])  # validates
-    return prof
+                raise ProfileError(f"{at}: an entry lacks {sorted(missing)}")
+            tps, tau = r["tokens_per_s"], r["tau"]
+            if not (is_finite_real(tps) and tps > 0):
+                raise ProfileError(f"{at}: tokens_per_s={tps!r} is invalid; accepted: a finite number > 0")
+            if not (is_finite_real(tau) and tau >= 1):
+                raise ProfileError(f"{at}: tau={tau!r} is invalid; accepted: a finite number >= 1")
+            try:
+                SSVPolicy.from_dict(r["policy"])
+            except (ValueError, TypeError) as e:  # SSVPolicy / TreeSpec validation
+                raise ProfileError(f"{at}: policy is invalid ({e})") from e
 
 
 def save_profile(path: str, buckets: dict, *, hardware: str, model: str, prompts: list, extra: dict | None = None):
@@ -130,6 +157,15 @@ class Planner:
     _taus: list = field(default_factory=list)
     _bucket: str | None = None
 
+    def __post_init__(self):
+        if not (is_int(self.window) and self.window >= 1):
+            raise ValueError(f"Planner.window={self.window!r} is invalid; accepted: an integer >= 1")
+        if not (is_finite_real(self.eps) and self.eps >= 0):
+            raise ValueError(f"Planner.eps={self.eps!r} is invalid; accepted: a finite number >= 0")
+        if not (is_finite_real(self.min_gain) and self.min_gain > 0):
+            raise ValueError(f"Planner.min_gain={self.min_gain!r} is invalid; accepted: a finite number > 0")
+        self.window, self.eps, self.min_gain = int(self.window), float(self.eps), float(self.min_gain)
+
     @classmethod
     def fixed(cls, policy: SSVPolicy) -> "Planner":
         """A planner that runs `policy` in every bucket and never switches."""
@@ -141,9 +177,10 @@ class Planner:
 
         Off the GPU (`platform`, default `jax.default_backend()`), Pallas-kernel policies run on the reference
         path instead (same selection and outputs; interpret-mode kernels are for tests, not generation); a
-        policy that then repeats a better-ranked one is dropped."""
+        policy that then repeats a better-ranked one is dropped. An invalid `prof` raises `ProfileError`."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is invalid; accepted: {PRECISIONS}")
+        check_profile(prof)
         if platform is None:
             import jax
             platform = jax.default_backend()
@@ -163,7 +200,10 @@ class Planner:
     @classmethod
     def for_policy(cls, policy, cfg: ModelConfig, precision: str = "exact", profile_path: str | None = None):
         """`policy` an SSVPolicy -> a fixed planner; "auto" -> from the profile, falling back (with a warning) to
-        the default `SSVPolicy()` when the profile is missing or unusable."""
+        the default `SSVPolicy()` when the profile is missing or unusable. `precision` must be one of PRECISIONS
+        in either case."""
+        if not isinstance(precision, str) or precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is invalid; accepted: {PRECISIONS}")
         if isinstance(policy, SSVPolicy):
             return cls.fixed(policy)
         if policy != "auto":

@@ -11,10 +11,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-import numpy as np
-
 from ssv_jax import schedule as sched
-from ssv_jax.config import ModelConfig, check_known_fields
+from ssv_jax.config import ModelConfig, check_known_fields, is_int
 from ssv_jax.tree import TreeSpec
 
 PRECISIONS = ("exact", "strict", "approx")
@@ -54,8 +52,7 @@ class SSVPolicy:
         if self.mode not in ("A", "B"):
             raise ValueError(f"SSVPolicy.mode={self.mode!r} is invalid; accepted: 'A' (exact merge) or 'B' "
                              "(shared index)")
-        if not (isinstance(self.group_size, (int, np.integer)) and not isinstance(self.group_size, bool)
-                and self.group_size >= 1):
+        if not (is_int(self.group_size) and self.group_size >= 1):
             raise ValueError(f"SSVPolicy.group_size={self.group_size!r} is invalid; accepted: an integer >= 1")
         for f in ("top_k", "depth", "budget", "group_size"):
             object.__setattr__(self, f, int(getattr(self, f)))  # np.int64 from a config file: one hashable form

@@ -13,6 +13,8 @@ from typing import Callable, NamedTuple
 import jax
 import numpy as np
 
+from ssv_jax.config import is_int
+
 
 class Segment(NamedTuple):
     """`count` consecutive runs of one refresh layer and `run - 1` reuse layers, from layer `start`: one static
@@ -38,7 +40,7 @@ def canonical(schedule):
     "R"/"U" per layer that starts with "R" (from a string, or a list/tuple of "R"/"U" characters or bools)."""
     if schedule is None:
         return None
-    if isinstance(schedule, (int, np.integer)) and not isinstance(schedule, (bool, np.bool_)):
+    if is_int(schedule):
         if schedule < 1:
             raise ValueError(f"refresh period P={schedule!r} is invalid; accepted: an integer >= 1")
         return int(schedule)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssv_jax import nsa
+from ssv_jax.config import is_int
 from ssv_jax.draft import DraftCache, DraftConfig, draft_logits, draft_tree_level
 
 ORDERS = ("bfs", "dfs")
@@ -41,7 +42,7 @@ class TreeSpec:
     def __post_init__(self):
         for f in ("top_k", "depth", "budget"):
             v = getattr(self, f)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            if not is_int(v):
                 raise ValueError(f"TreeSpec.{f}={v!r} is invalid; accepted: an integer")
             object.__setattr__(self, f, int(v))  # one hashable form for np.int64 too
         if self.top_k < 1:

@@ -432,6 +432,70 @@ def test_bad_checkpoint_fails_before_writing(tmp_path, case):
     assert _no_output(tmp_path)
 
 
+_LLAMA3 = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(num_hidden_layers="abc"), r"config num_hidden_layers='abc' is invalid; accepted: an integer >= 1"),
+    (dict(num_hidden_layers=2.5), r"config num_hidden_layers=2\.5 is invalid; accepted: an integer >= 1"),
+    (dict(rms_norm_eps="x"), r"config rms_norm_eps='x' is invalid; accepted: a finite number > 0"),
+    (dict(tie_word_embeddings="no"), r"config tie_word_embeddings='no' is invalid; accepted: true or false"),
+    (dict(rope_scaling={k: v for k, v in _LLAMA3.items() if k != "factor"}),
+     r"config rope_scaling \(llama3\) lacks \['factor'\]; accepted: an object with factor"),
+    (dict(rope_scaling="llama3"), r"config rope_scaling='llama3' is invalid; accepted: null or an object"),
+    (dict(rope_scaling=dict(_LLAMA3, factor="big")), r"config rope_scaling factor='big' is invalid; accepted: a "
+                                                      r"finite number > 0"),
+    (dict(rope_scaling=dict(_LLAMA3, high_freq_factor=1.0)),
+     r"RopeScaling.high_freq_factor=1.0 is invalid; accepted: a finite number > low_freq_factor=1.0"),
+    (dict(num_hidden_layers=1), r"holds weights of layer 1 \(at least 2 layers\) but num_hidden_layers=1; "
+                                r"accepted: num_hidden_layers equal to the checkpoint's layer count"),
+])
+def test_bad_source_config_fields_exit_2_in_one_line(tmp_path, capsys, change, needle):
+    """Each bad field is a ConversionError naming it and what is accepted: the CLI prints one line, exits 2 and
+    writes nothing (no traceback)."""
+    sd, hf = make_target("llama", seed=8)
+    write_hf(tmp_path / "src", sd, {**hf, **change})
+    assert cv.main([str(tmp_path / "src"), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(needle, err), err
+    assert _no_output(tmp_path)
+
+
+@pytest.mark.parametrize("text,needle", [("{not json", r"config file .* is not JSON .*accepted: a JSON object"),
+                                         ("[1, 2]", r"config file .* holds a JSON list; accepted: a JSON object")])
+def test_a_config_file_that_is_not_a_json_object_exits_2(tmp_path, capsys, text, needle):
+    sd, _ = make_target("zen-e-nsa", seed=8)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "cfg.json").write_text(text)
+    args = [str(tmp_path / "model.safetensors"), str(tmp_path / "out"), "--config", str(tmp_path / "cfg.json")]
+    assert cv.main(args + ["--no-progress"]) == 2
+    assert re.search(needle, capsys.readouterr().err)
+    assert _no_output(tmp_path)
+
+
+def test_compression_mlp_without_its_weights_fails_at_conversion(tmp_path):
+    """--set compression=mlp on a mean-pooling checkpoint: the cmp_* weights are missing, which is a conversion
+    error (it used to surface only at generate time as KeyError 'cmp_wk')."""
+    sd, hf = make_target("zen-e-nsa", seed=8)
+    write_hf(tmp_path / "src", sd, hf)
+    with pytest.raises(cv.ConversionError, match=r"params\['layers'\] lacks keys \['cmp_pek', 'cmp_pev', "
+                                                 r"'cmp_wk', 'cmp_wv'\].*accepted.*compression='mlp'"):
+        cv.convert_checkpoint(tmp_path / "src", tmp_path / "out", overrides=cv._parse_set(["compression=mlp"]),
+                              progress=False, log=None)
+    assert _no_output(tmp_path)
+
+
+def test_a_non_floating_source_weight_is_rejected(tmp_path):
+    sd, hf = make_target("zen-e-nsa", seed=8)
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"].astype(np.int32)
+    write_hf(tmp_path / "src", sd, hf)
+    with pytest.raises(cv.ConversionError, match=r"key 'model\.embed_tokens\.weight' has dtype I32; accepted: a "
+                                                 r"floating dtype"):
+        cv.convert_checkpoint(tmp_path / "src", tmp_path / "out", progress=False, log=None)
+    assert _no_output(tmp_path)
+
+
 def test_argument_errors(fla_bundle, tmp_path):
     root = fla_bundle[0]
     (tmp_path / "out").mkdir()

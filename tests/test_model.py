@@ -8,7 +8,7 @@ import pytest
 from ssv_jax import cache as kvc
 from ssv_jax import model as M
 from ssv_jax import nsa
-from ssv_jax.config import ModelConfig, get_config
+from ssv_jax.config import ModelConfig, RopeScaling, get_config
 
 CFG = get_config("tiny", max_seq_len=1152)
 PARAMS = M.init_params(CFG, jax.random.key(0))
@@ -179,6 +179,101 @@ def test_bad_config_raises_clear_value_error(field, value, needle):
     with pytest.raises(ValueError, match=field) as e:
         get_config("tiny", **{field: value})
     assert needle in str(e.value)
+
+
+def test_numpy_integers_and_floats_are_accepted_and_stored_as_python_numbers():
+    """Sizes read from a config file or computed with NumPy: the config stays hashable and JSON-able."""
+    import json
+
+    cfg = get_config("tiny", hidden=np.int64(64), n_layers=np.int32(4), rope_theta=np.float32(1e4),
+                     feature_layers=[np.int64(1), 2, 3])
+    assert cfg == get_config("tiny", feature_layers=(1, 2, 3)) and hash(cfg) == hash(cfg.replace())
+    assert type(cfg.hidden) is int and type(cfg.rope_theta) is float and cfg.feature_layers == (1, 2, 3)
+    assert json.loads(json.dumps(cfg.to_dict()))["hidden"] == 64
+
+
+@pytest.mark.parametrize("field,value,accepted", [
+    ("vocab_size", True, "an integer >= 1"),
+    ("n_layers", True, "an integer >= 1"),
+    ("hidden", 64.0, "an integer >= 1"),
+    ("tie_embeddings", "no", "True or False"),
+    ("feature_layers", (1.5,), r"None or a non-empty tuple of integer layer indices in \[0, 4\)"),
+    ("feature_layers", (True,), r"integer layer indices in \[0, 4\)"),
+    ("feature_layers", 2, r"integer layer indices in \[0, 4\)"),
+    ("feature_layers", (), r"non-empty tuple"),
+    ("rope_theta", "abc", "a finite number > 0"),
+    ("rope_theta", float("inf"), "a finite number > 0"),
+    ("norm_eps", None, "a finite number > 0"),
+    ("rope_scaling", 8.0, "None, a RopeScaling or a dict of its fields"),
+])
+def test_bad_config_types_raise_value_error_naming_value_and_accepted(field, value, accepted):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}=.* is invalid; accepted: .*{accepted}"):
+        get_config("tiny", **{field: value})
+
+
+def test_repeated_feature_taps_stay_accepted():
+    """The default taps (2, L//2, L-3), clipped, repeat a layer below 6 layers (tiny: (2, 2, 1)), and bundles store
+    them explicitly, so repeated indices must round-trip."""
+    cfg = get_config("tiny")
+    assert cfg.features == (2, 2, 1)
+    assert ModelConfig.from_dict(cfg.to_dict()).features == (2, 2, 1)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(factor=-1), r"RopeScaling.factor=-1 is invalid; accepted: a finite number > 0"),
+    (dict(factor="x"), r"RopeScaling.factor='x' is invalid; accepted: a finite number > 0"),
+    (dict(low_freq_factor=0.0), r"RopeScaling.low_freq_factor=0.0 is invalid; accepted: a finite number > 0"),
+    (dict(high_freq_factor=1.0), r"RopeScaling.high_freq_factor=1.0 is invalid; accepted: a finite number > "
+                                 r"low_freq_factor=1.0"),
+    (dict(original_max_position=0), r"RopeScaling.original_max_position=0 is invalid; accepted: an integer >= 1"),
+    (dict(original_max_position=True), r"RopeScaling.original_max_position=True is invalid; accepted: an integer"),
+])
+def test_rope_scaling_fields_are_validated(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        RopeScaling(**kw)
+
+
+def test_a_rope_scaling_dict_becomes_a_rope_scaling():
+    """A plain dict would otherwise reach jax.jit as an unhashable static argument."""
+    cfg = get_config("tiny", rope_scaling=dict(factor=2.0, original_max_position=64))
+    assert cfg.rope_scaling == RopeScaling(factor=2.0, original_max_position=64) and hash(cfg)
+    with pytest.raises(ValueError, match=r"unknown RopeScaling fields \['foo'\]; accepted: \[.*'factor'"):
+        ModelConfig.from_dict({"rope_scaling": {"foo": 1}})
+
+
+def test_unknown_fields_in_get_config_and_replace_raise_value_error():
+    with pytest.raises(ValueError, match=r"unknown ModelConfig fields \['bogus'\]; accepted: \[.*'vocab_size'"):
+        get_config("tiny", bogus=1)
+    with pytest.raises(ValueError, match=r"unknown ModelConfig fields \['bogus'\]; accepted: \[.*'vocab_size'"):
+        CFG.replace(bogus=1)
+
+
+def test_check_params_accepts_init_params_in_any_floating_dtype():
+    M.check_params(CFG, PARAMS)
+    M.check_params(CFG, jax.tree.map(lambda a: a.astype(jnp.bfloat16), PARAMS))
+    mlp_tied = CFG.replace(compression="mlp", tie_embeddings=True)
+    M.check_params(mlp_tied, jax.eval_shape(lambda: M.init_params(mlp_tied, jax.random.key(0))))
+
+
+@pytest.mark.parametrize("cfg,params,needle", [
+    (get_config("tiny", hidden=128), PARAMS,
+     r"params\['embed'\] has shape \(256, 64\); accepted: shape \(256, 128\) = \[vocab_size, hidden\]"),
+    (CFG.replace(tie_embeddings=True), PARAMS,
+     r"params has unexpected keys \['lm_head'\] .*accepted: exactly the keys .*tie_embeddings=True"),
+    (CFG.replace(vocab_size=512), PARAMS, r"params\['embed'\] has shape \(256, 64\); accepted: shape \(512, 64\)"),
+    (CFG, {}, r"params lacks keys \['embed', 'layers', 'lm_head', 'norm'\] .*accepted"),
+    (CFG.replace(compression="mlp"), PARAMS, r"params\['layers'\] lacks keys \['cmp_pek', 'cmp_pev', 'cmp_wk', "
+                                             r"'cmp_wv'\] .*accepted.*compression='mlp'"),
+    (CFG.replace(ffn=256), PARAMS, r"params\['layers/w_down'\] has shape \(4, 128, 64\); accepted: shape "
+                                   r"\(4, 256, 64\) = \[n_layers, ffn, hidden\]"),
+    (CFG, {**PARAMS, "embed": PARAMS["embed"].astype(jnp.int32)},
+     r"params\['embed'\] has dtype int32; accepted: a floating dtype"),
+    (CFG, {**PARAMS, "norm": [1.0] * 64}, r"params\['norm'\] is a list; accepted: a floating array of shape"),
+    (CFG, M.split_layers(PARAMS), r"decode layout of split_layers\); accepted: the init_params layout .*stack_layers"),
+])
+def test_check_params_names_the_first_mismatch(cfg, params, needle):
+    with pytest.raises(ValueError, match=needle):
+        M.check_params(cfg, params)
 
 
 def test_unknown_preset_is_rejected():

@@ -159,6 +159,81 @@ def test_corrupt_profiles_raise_clear_errors(tmp_path, content, needle):
         load_profile(str(p))
 
 
+def _profile_with(tmp_path, row_or_buckets):
+    """A profile file whose "8K" bucket holds one given entry (or whose buckets are the given dict)."""
+    buckets = row_or_buckets if "policy" not in row_or_buckets else {"8K": [row_or_buckets]}
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps({"version": 1, "model": CFG.name, "buckets": buckets}))
+    return str(p)
+
+
+GOOD_ROW = dict(policy=P_MID.to_dict(), tokens_per_s=100.0, tau=3.0)
+
+
+@pytest.mark.parametrize("buckets,needle", [
+    ({"8K": 5}, r"bucket '8K' holds a int; accepted: a list of entries"),
+    ({"8K": [5]}, r"bucket '8K', entry 0 is a int; accepted: a dict"),
+    ({"bogus": [GOOD_ROW]}, r"bucket 'bogus' is invalid; accepted: \['8K', '16K', '32K', '64K', '>64K'\]"),
+    ({"8K": [dict(GOOD_ROW, tau=None)]}, r"tau=None is invalid; accepted: a finite number >= 1"),
+    ({"8K": [dict(GOOD_ROW, tau="x")]}, r"tau='x' is invalid; accepted: a finite number >= 1"),
+    ({"8K": [dict(GOOD_ROW, tau=-2.0)]}, r"tau=-2.0 is invalid; accepted: a finite number >= 1"),
+    ({"8K": [dict(GOOD_ROW, tau=float("nan"))]}, r"tau=nan is invalid; accepted: a finite number >= 1"),
+    ({"8K": [dict(GOOD_ROW, tokens_per_s=0)]}, r"tokens_per_s=0 is invalid; accepted: a finite number > 0"),
+    ({"8K": [dict(GOOD_ROW, tokens_per_s=True)]}, r"tokens_per_s=True is invalid; accepted: a finite number > 0"),
+    ({"8K": [dict(GOOD_ROW, policy=dict(top_k=0))]}, r"entry 0: policy is invalid \(TreeSpec.top_k=0 is invalid; "
+                                                     r"accepted"),
+    ({"8K": [dict(GOOD_ROW, policy="fast")]}, r"entry 0: policy is invalid .*accepted: a dict"),
+])
+def test_profile_rows_with_bad_types_or_values_raise_profile_error(tmp_path, buckets, needle):
+    with pytest.raises(ProfileError, match=needle):
+        load_profile(_profile_with(tmp_path, buckets))
+
+
+def test_profile_path_and_profile_dict_must_be_valid():
+    with pytest.raises(ProfileError, match=r"path=None is invalid; accepted: a file path"):
+        load_profile(None)
+    with pytest.raises(ProfileError, match=r"has version None; accepted: 1"):
+        Planner.from_profile({})
+    with pytest.raises(ProfileError, match=r"has no 'buckets'"):
+        Planner.from_profile({"version": 1})
+
+
+def test_the_committed_profile_loads():
+    from ssv_jax.planner import DEFAULT_PROFILE
+
+    prof = load_profile(DEFAULT_PROFILE)
+    assert Planner.from_profile(prof, "approx", platform="cpu").candidates()
+
+
+def test_auto_falls_back_to_the_default_when_a_profiled_policy_is_invalid(tmp_path):
+    path = _profile_with(tmp_path, dict(GOOD_ROW, policy=dict(P_MID.to_dict(), precision="lossy")))
+    with pytest.warns(UserWarning, match=r"SSVPolicy.precision='lossy' is invalid.*falling back"):
+        pl = Planner.for_policy("auto", CFG, profile_path=path)
+    assert pl.initial(100) == SSVPolicy()
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(window=0), r"Planner.window=0 is invalid; accepted: an integer >= 1"),
+    (dict(window=2.5), r"Planner.window=2.5 is invalid; accepted: an integer >= 1"),
+    (dict(window=True), r"Planner.window=True is invalid; accepted: an integer >= 1"),
+    (dict(eps=-0.1), r"Planner.eps=-0.1 is invalid; accepted: a finite number >= 0"),
+    (dict(eps=float("inf")), r"Planner.eps=inf is invalid; accepted: a finite number >= 0"),
+    (dict(min_gain=0), r"Planner.min_gain=0 is invalid; accepted: a finite number > 0"),
+    (dict(min_gain=float("nan")), r"Planner.min_gain=nan is invalid; accepted: a finite number > 0"),
+])
+def test_planner_settings_are_validated(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        Planner({"8K": [(P_MID, 3.0, 100.0)]}, **kw)
+    assert Planner({"8K": [(P_MID, 3.0, 100.0)]}, window=np.int64(8)).window == 8
+
+
+def test_precision_is_checked_even_when_auto_falls_back(tmp_path):
+    with pytest.raises(ValueError, match=r"precision='foo' is invalid; accepted: \('exact', 'strict', 'approx'\)"):
+        Planner.for_policy("auto", CFG, precision="foo", profile_path=str(tmp_path / "none.json"))
+    with pytest.raises(ValueError, match=r"precision='foo' is invalid; accepted"):
+        Planner.for_policy(P_MID, CFG, precision="foo")
+
+
 def test_missing_profile_warns_and_falls_back_to_the_default(tmp_path):
     with pytest.warns(UserWarning, match="falling back"):
         pl = Planner.for_policy("auto", CFG, profile_path=str(tmp_path / "none.json"))
