@@ -526,3 +526,15 @@ def test_round_ops_stages_sum_an_attribution_by_stage_of_the_round(tmp_path, cap
     (tmp_path / "none.json").write_text("{}")
     with pytest.raises(SystemExit, match="holds no attribution"):
         ro.main(["stages", str(tmp_path / "none.json")])
+
+
+def test_gpu_smoke_reports_greedy_ssv_equal_to_ar_for_the_fixed_tree_and_auto(tmp_path):
+    """The smoke check runs the fixed tree and policy='auto' per dtype and records whether greedy SSV emitted
+    greedy AR's tokens (fp32: it must)."""
+    out = tmp_path / "smoke.json"
+    res = _script("gpu_smoke").main(["--random-preset", "tiny", "--dtypes", "float32", "--context", "100",
+                                     "--new-tokens", "8", "--tree", "2", "3", "6", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert [r["dtype"] for r in res["rows"]] == ["float32", "float32"]
+    assert "tree(k=2, depth=3, budget=6)" in res["rows"][0]["policy"]
+    assert all(r["greedy_identical"] and r["tau"] >= 1 for r in res["rows"])
