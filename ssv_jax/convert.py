@@ -412,7 +412,7 @@ def plan_target(ck: Checkpoint, fmt: str, overrides: dict | None = None, name: s
         if not win:
             raise ConversionError(f"window_size={win!r} is not supported; accepted: an integer >= block_size "
                                   f"(the model always runs the window branch)")
-        win = _cfg_int(c, "window_size")
+        win = _cfg_int(c, "window_size", default=win)  # fla-nsa's default 512 when absent
         bc = _cfg_get(c, "block_counts", default=16)
         if not is_int(bc):
             raise ConversionError(f"block_counts={bc!r} is not supported; accepted: one integer")

@@ -486,6 +486,13 @@ def test_compression_mlp_without_its_weights_fails_at_conversion(tmp_path):
     assert _no_output(tmp_path)
 
 
+def test_an_fla_config_without_window_size_takes_fla_s_default_window(tmp_path):
+    sd, hf = make_target("fla-nsa", seed=8)
+    write_hf(tmp_path / "src", sd, {k: v for k, v in hf.items() if k != "window_size"})
+    plan = cv.plan_target(cv.Checkpoint(tmp_path / "src"), "fla-nsa")
+    assert plan.cfg.window == 512
+
+
 def test_a_non_floating_source_weight_is_rejected(tmp_path):
     sd, hf = make_target("zen-e-nsa", seed=8)
     sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"].astype(np.int32)
