@@ -677,8 +677,8 @@ def _head_taps(head: Checkpoint) -> tuple | None:
 
 
 def _load_target(path: Path) -> ckpt.Bundle:
-    """The target (config, params in their stored dtypes, tokenizer) of an existing bundle; its draft, if any,
-    is not read (it is being replaced)."""
+    """The target (config, params in their stored dtypes, checked against the config, tokenizer) of an existing
+    bundle; its draft, if any, is not read (it is being replaced)."""
     from ssv_jax.tokenizer import Tokenizer
 
     try:
@@ -689,6 +689,7 @@ def _load_target(path: Path) -> ckpt.Bundle:
                              f"'tensors/target'")
         cfg = ModelConfig.from_dict(meta["model"])
         params = ckpt._load_group(path, tensors["target"], meta["sha256"], None, True)
+        M.check_params(cfg, params)
     except ConversionError:
         raise
     except ValueError as e:
@@ -782,8 +783,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, fmt: str = "auto", c
     if dplan is not None:
         dparams = materialize(dplan, dtype, progress)
         report.groups.append(("draft", dplan, dparams))
-    _check_fits(tcfg, tparams, fmt if tplan is not None else "target bundle")
-    if dplan is not None:
+    if dplan is not None:  # a planned target's shapes were checked before any tensor was read
         try:
             ckpt.check_draft(dplan.cfg, tcfg, dparams)
         except ValueError as e:

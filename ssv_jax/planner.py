@@ -142,6 +142,25 @@ def predict_tokens_per_s(rows, current: SSVPolicy, tau_obs: float) -> list[float
     return out
 
 
+def _ranking(prof: dict, precision: str, platform: str | None) -> dict:
+    """bucket -> [(policy, tau, tokens/s)] of a checked profile, kept to `precision` (see `Planner.from_profile`)."""
+    if platform is None:
+        import jax
+        platform = jax.default_backend()
+    ranking = {}
+    for b, rows in prof["buckets"].items():
+        ok = [(SSVPolicy.from_dict(r["policy"]), float(r["tau"]), float(r["tokens_per_s"])) for r in rows]
+        ok = [row for row in ok if _CLASS_RANK[row[0].precision] <= _CLASS_RANK[precision]]
+        if platform != "gpu":
+            ok = [(p.replace(backend="reference") if p.backend == "kernel" else p, t, v) for p, t, v in ok]
+            ok = [row for i, row in enumerate(ok) if row[0] not in [q[0] for q in ok[:i]]]
+        if ok:
+            ranking[b] = ok
+    if not ranking:
+        raise ProfileError(f"the profile has no policy in precision class {precision!r}")
+    return ranking
+
+
 @dataclass
 class Planner:
     """Picks and switches policies between chunks of rounds.
@@ -181,21 +200,7 @@ class Planner:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is invalid; accepted: {PRECISIONS}")
         check_profile(prof)
-        if platform is None:
-            import jax
-            platform = jax.default_backend()
-        ranking = {}
-        for b, rows in prof["buckets"].items():
-            ok = [(SSVPolicy.from_dict(r["policy"]), float(r["tau"]), float(r["tokens_per_s"])) for r in rows]
-            ok = [row for row in ok if _CLASS_RANK[row[0].precision] <= _CLASS_RANK[precision]]
-            if platform != "gpu":
-                ok = [(p.replace(backend="reference") if p.backend == "kernel" else p, t, v) for p, t, v in ok]
-                ok = [row for i, row in enumerate(ok) if row[0] not in [q[0] for q in ok[:i]]]
-            if ok:
-                ranking[b] = ok
-        if not ranking:
-            raise ProfileError(f"the profile has no policy in precision class {precision!r}")
-        return cls(ranking, **kw)
+        return cls(_ranking(prof, precision, platform), **kw)
 
     @classmethod
     def for_policy(cls, policy, cfg: ModelConfig, precision: str = "exact", profile_path: str | None = None):
@@ -210,10 +215,10 @@ class Planner:
             raise ValueError(f"policy={policy!r} is invalid; accepted: an SSVPolicy or 'auto'")
         path = profile_path or DEFAULT_PROFILE
         try:
-            prof = load_profile(path)
+            prof = load_profile(path)  # checked here, with the path in its messages
             if prof.get("model") not in (None, cfg.name):
                 raise ProfileError(f"profile {path!r} is for model {prof.get('model')!r}, not {cfg.name!r}")
-            return cls.from_profile(prof, precision)
+            return cls(_ranking(prof, precision, None))
         except ProfileError as e:
             warnings.warn(f"{e}; falling back to the fixed default policy {SSVPolicy().describe()}", stacklevel=3)
             return cls.fixed(SSVPolicy())
