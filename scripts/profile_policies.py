@@ -9,9 +9,10 @@ Each policy runs once per prompt to compile, then `--reps` times timed; the medi
 once ran hundreds of times slower on the H200, docs/results/policy_profile.json). tokens/s counts the emitted
 tokens over the decode time (prefill excluded); round_ms is the decode time per round.
 
-With a tokenizer, the prompts are held-out files only: where fewer files are long enough than `--prompts` asks,
-the context is profiled on those alone (a random-token prompt accepts little with every tree and so favours the
-cheapest round; docs/DESIGN_NOTES.md, "The planner's profile"). `--random-fill` tops them up with random tokens
+With a tokenizer, the prompts are held-out text only: the files long enough alone, then windows of shorter files
+packed as in training (`generate_cli.prompts`). Where fewer than `--prompts` exist, the context is profiled on
+those alone (a random-token prompt accepts little with every tree and so favours the cheapest round;
+docs/DESIGN_NOTES.md, "The planner's profile"). `--random-fill` tops them up with random tokens
 instead. Without a tokenizer (`--random-preset`) every prompt is random tokens.
 """
 
@@ -50,14 +51,14 @@ def candidate_policies(trees, orders, modes, group_sizes, schedules, backend) ->
 
 
 def text_prompts(tok, vocab_size: int, context: int, count: int, skip: int) -> list:
-    """Up to `count` held-out files of `context` tokens (`prompts(..., fill=False)`: no random-token fill-ins).
-    Raises SystemExit when no file is long enough."""
+    """Up to `count` held-out prompts of `context` tokens, files then packed windows (`prompts(..., fill=False)`:
+    no random-token fill-ins). Raises SystemExit when there is none."""
     text = prompts(tok, vocab_size, context, count, skip=skip, fill=False)
     if not text:
-        raise SystemExit(f"no held-out file has {context} tokens after skipping {skip}; accepted: a smaller "
-                         f"--skip-prompts or context, or --random-fill to profile on random tokens")
+        raise SystemExit(f"no held-out prompt of {context} tokens is left after skipping {skip}; accepted: a "
+                         f"smaller --skip-prompts or context, or --random-fill to profile on random tokens")
     if len(text) < count:
-        print(f"profiling {context} on {len(text)} held-out file(s) alone (--random-fill adds random tokens)")
+        print(f"profiling {context} on {len(text)} held-out prompt(s) alone (--random-fill adds random tokens)")
     return text
 
 
@@ -72,7 +73,7 @@ def main(argv=None):
                     help="pass over the first N held-out prompts of each context (bench_e2e.py --prompts N takes "
                          "those), so the profile and the benchmark use different prompts")
     ap.add_argument("--random-fill", action="store_true",
-                    help="top up with random-token prompts where too few held-out files are long enough")
+                    help="top up with random-token prompts where too few held-out prompts exist")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3, help="timed runs per policy and prompt (the median counts)")
     ap.add_argument("--trees", default="1,4,5;4,4,16;4,6,32", help="top_k,depth,budget triples separated by ;")

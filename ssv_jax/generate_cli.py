@@ -102,34 +102,60 @@ def _refresh_only(s) -> bool:
 RANDOM_PROMPT = "random tokens"  # the source `prompts` names a prompt it had no held-out file for
 
 
+def packed_name(files: list[str]) -> str:
+    """The source name of a packed prompt: its files, joined by " + ", after "packed: "."""
+    return "packed: " + " + ".join(files)
+
+
 def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
-            skip: int = 0, fill: bool = True) -> list[tuple[str, np.ndarray]]:
-    """`count` prompts of `n_tokens` ids: from held-out (test split) stdlib source when there is a tokenizer
+            skip: int = 0, fill: bool = True, pack: bool = True) -> list[tuple[str, np.ndarray]]:
+    """`count` prompts of `n_tokens` ids from held-out (test split) stdlib source when there is a tokenizer
     (skipping generated and private modules such as _sysconfigdata), else random ids. [(source, ids)].
-    `skip`: pass over the first `skip` files long enough (the planner's profile takes prompts disjoint from the
-    benchmark's this way). When too few files are long enough, the rest are random ids, and it says so; with
-    `fill=False` the list holds only the files found (possibly none)."""
+
+    In order: each file long enough on its own (its first `n_tokens` ids); then, with `pack`, packed prompts:
+    the shorter files in path order, each followed by the end-of-text id as in training (`data.PackedLoader`),
+    cut into windows that each start at a file and hold `n_tokens` ids (a window's trailing remainder is
+    dropped; source `packed_name(files)`). `skip`: pass over the first `skip` of that sequence (the planner's
+    profile takes prompts disjoint from the benchmark's this way). When too few remain, the rest are random
+    ids, and it says so; with `fill=False` the list holds only the held-out prompts found (possibly none)."""
     if skip < 0:
         raise ValueError(f"skip={skip} is invalid; accepted: an integer >= 0")
     out, to_skip = [], skip
+
+    def take(source, ids) -> bool:  # True once `count` prompts are in
+        nonlocal to_skip
+        if to_skip:
+            to_skip -= 1
+        else:
+            out.append((source, np.asarray(ids[:n_tokens], np.int32)))
+        return len(out) == count
+
+    if count <= 0:
+        return out
     if tok is not None:
         from ssv_jax import data
 
+        short = []  # (relpath, ids) of the files too short alone, for packing
         for rel, text in data.iter_documents("test"):
             if os.path.basename(rel).startswith("_"):
                 continue
             ids = tok.encode(text)
-            if len(ids) >= n_tokens + 16:
-                if to_skip:
-                    to_skip -= 1
-                    continue
-                out.append((rel, np.asarray(ids[:n_tokens], np.int32)))
-            if len(out) == count:
+            if len(ids) < n_tokens + 16:
+                short.append((rel, ids))
+            elif take(rel, ids):
                 return out
+        files, window = [], []
+        for rel, ids in short if pack else ():
+            files.append(rel)
+            window += list(ids) + [tok.eos_id]
+            if len(window) >= n_tokens:
+                if take(packed_name(files), window):
+                    return out
+                files, window = [], []
     if not fill:
         return out
     if tok is not None and len(out) < count:
-        print(f"only {len(out)} held-out files have {n_tokens} tokens (after skipping {skip}); the other "
+        print(f"only {len(out)} held-out prompts have {n_tokens} tokens (after skipping {skip}); the other "
               f"{count - len(out)} prompt(s) are random tokens")
     rng = np.random.default_rng(seed)
     while len(out) < count:
@@ -139,7 +165,7 @@ def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
 
 def default_prompt(tok, n_tokens: int) -> tuple[str, str]:
     """A prompt of about `n_tokens` tokens from held-out stdlib source: (relpath, text)."""
-    found = prompts(tok, tok.vocab_size, n_tokens, 1, fill=False)
+    found = prompts(tok, tok.vocab_size, n_tokens, 1, fill=False, pack=False)
     if not found:
         raise ValueError(f"no held-out file has {n_tokens} tokens; accepted: a smaller --prompt-tokens")
     return found[0][0], tok.decode(found[0][1].tolist())

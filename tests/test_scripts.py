@@ -49,24 +49,57 @@ def test_profile_policies_rejects_zero_reps(tmp_path):
 
 
 def test_profile_policies_profiles_held_out_text_only_unless_asked_to_fill_in(tmp_path):
-    """With a tokenizer the profile's prompts are held-out files: random-token fill-ins are dropped, and a context
-    no file reaches stops the run before any profiling (the message names the context and what is accepted)."""
+    """With a tokenizer the profile's prompts are held-out text (files, then packed windows): random-token
+    fill-ins are dropped, and a context no prompt reaches stops the run before any profiling (the message names the
+    context and what is accepted)."""
     from ssv_jax.generate_cli import RANDOM_PROMPT, prompts
     from ssv_jax.tokenizer import Tokenizer
 
     pp = _script("profile_policies")
     tok = Tokenizer.load(ROOT / "checkpoints" / "ssv-small" / "tokenizer.json")
-    many = sum(1 for name, _ in prompts(tok, tok.vocab_size, 300, 10**6, fill=False))
-    text = pp.text_prompts(tok, tok.vocab_size, 300, many + 2, 0)  # asks for two more files than there are
+    many = len(prompts(tok, tok.vocab_size, 300, 10**6, fill=False))
+    text = pp.text_prompts(tok, tok.vocab_size, 300, many + 2, 0)  # asks for two more prompts than there are
     assert len(text) == many and RANDOM_PROMPT not in [n for n, _ in text]
     assert [n for n, _ in prompts(tok, tok.vocab_size, 300, many + 2)][many:] == [RANDOM_PROMPT] * 2
-    with pytest.raises(SystemExit, match=f"no held-out file has 300 tokens after skipping {many}"):
+    with pytest.raises(SystemExit, match=f"no held-out prompt of 300 tokens is left after skipping {many}"):
         pp.text_prompts(tok, tok.vocab_size, 300, 1, many)
     out = tmp_path / "p.json"
-    with pytest.raises(SystemExit, match="no held-out file has 15712 tokens after skipping 1000.*--random-fill"):
+    with pytest.raises(SystemExit, match="no held-out prompt of 15712 tokens is left after skipping 1000.*random-fill"):
         pp.main(["--checkpoint", str(ROOT / "checkpoints" / "ssv-small"), "--contexts", "15712",
                  "--skip-prompts", "1000", "--out", str(out)])
     assert not out.exists()
+
+
+def test_held_out_prompts_are_whole_files_then_shorter_files_packed_as_in_training():
+    """The files long enough alone come first, each its own first n ids; then each packed prompt is the named
+    shorter files' ids, each followed by end-of-text, cut to n: a window starts at a file, its files are
+    consecutive held-out files in path order, and no file appears twice. `pack=False` keeps whole files only."""
+    from ssv_jax import data
+    from ssv_jax.generate_cli import packed_name, prompts
+    from ssv_jax.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(ROOT / "checkpoints" / "ssv-small" / "tokenizer.json")
+    n = 1500
+    got = prompts(tok, tok.vocab_size, n, 10**6, fill=False)
+    docs = {rel: tok.encode(text) for rel, text in data.iter_documents("test")
+            if not rel.split("/")[-1].startswith("_")}
+    whole = [rel for rel, ids in docs.items() if len(ids) >= n + 16]
+    assert [name for name, _ in got[:len(whole)]] == whole
+    assert all(np.array_equal(ids, docs[name][:n]) for name, ids in got[:len(whole)])
+    packed = got[len(whole):]
+    assert packed and all(name.startswith("packed: ") for name, _ in packed)
+    short, used = [rel for rel in docs if rel not in whole], []
+    for name, ids in packed:
+        files = name[len("packed: "):].split(" + ")
+        assert name == packed_name(files)
+        i = short.index(files[0])
+        assert short[i:i + len(files)] == files  # consecutive files
+        expect = [t for rel in files for t in list(docs[rel]) + [tok.eos_id]]
+        assert len(expect) >= n and len(expect) - len(docs[files[-1]]) - 1 < n  # the last file completes it
+        assert ids.dtype == np.int32 and np.array_equal(ids, expect[:n])
+        used += files
+    assert len(used) == len(set(used))
+    assert [name for name, _ in prompts(tok, tok.vocab_size, n, 10**6, fill=False, pack=False)] == whole
 
 
 def test_held_out_prompts_skip_the_first_files_the_benchmark_takes():
