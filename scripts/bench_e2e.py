@@ -30,7 +30,7 @@ from ssv_jax import model as M
 from ssv_jax import speculative, timing
 from ssv_jax.generate import ar_generate
 from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
-from ssv_jax.planner import Planner
+from ssv_jax.planner import DEFAULT_PROFILE, Planner
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.schedule import parse
 from ssv_jax.speculative import ssv_generate
@@ -63,6 +63,8 @@ def main(argv=None):
     ap.add_argument("--draft-select", choices=["auto", "reference"], default="auto",
                     help="the draft tree's top-k: the library's choice (speculative.draft_select), or the XLA "
                          "reference (tree.log_softmax_top_k) everywhere, to A/B the selection kernel")
+    ap.add_argument("--profile", default=None,
+                    help="the planner's ranking JSON (default: the library's, docs/results/policy_profile.json)")
     ap.add_argument("--out", default="docs/results/e2e_h200.json")
     a = ap.parse_args(argv)
     if a.reps < 1:
@@ -85,7 +87,8 @@ def main(argv=None):
         "naive": lambda p: ssv(p, base.replace(backend="naive")),
         "ssv": lambda p: ssv(p, fixed),
         # the planner chooses within the fixed policy's precision class, so that both compete on the same terms
-        "ssv_planner": lambda p: ssv(p, "auto", planner=Planner.for_policy("auto", m.cfg, precision=fixed.precision)),
+        "ssv_planner": lambda p: ssv(p, "auto", planner=Planner.for_policy("auto", m.cfg, precision=fixed.precision,
+                                                                           profile_path=a.profile)),
         "dense_sd": lambda p: ssv(p, base.replace(backend="dense")),
     }
     unknown = sorted(set(a.methods) - set(runs))
@@ -113,7 +116,7 @@ def main(argv=None):
         return row
 
     def write(done):
-        """Summarise the finished contexts and write the JSON (after each context, so a cut-off run keeps them)."""
+        """Summarise the contexts in `done` (the last one possibly part-way) and write the JSON."""
         summary = {}
         for ctx in done:
             ar = np.mean([r["tokens_per_s"] for r in rows if r["context"] == ctx and r["method"] == "ar"] or [np.nan])
@@ -127,6 +130,7 @@ def main(argv=None):
                    draft_window=m.draft_cfg.window if m.draft_cfg is not None else None,
                    new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
                    chunk_rounds=a.chunk_rounds, chunk_steps=a.chunk_steps, draft_select=a.draft_select,
+                   planner_profile=a.profile or DEFAULT_PROFILE,
                    rows=rows, summary=summary,
                    timing=f"host wall clock of the decode loop after a compile run, the median of {a.reps} runs; "
                           "prefill excluded")
@@ -151,6 +155,7 @@ def main(argv=None):
                                  chunks=[dict(rounds=c["rounds"], seconds=c["seconds"])
                                          for c in s.get("policy_trace", [])],
                                  planner_us_per_chunk=s.get("planner_us_per_chunk")))
+            summary = write(contexts[: i + 1])  # after each prompt, so that a run cut off keeps its prompts
         if not a.no_split:
             split.append(split_row(ctx, *ps[0]))
         summary = write(contexts[: i + 1])

@@ -150,6 +150,30 @@ def test_ar_bench_decodes_each_context_in_a_cache_sized_for_it(tmp_path):
         assert all(r["decode_ms_per_token"] > 0 and r["steps"] == 3 for r in res["decode"])
 
 
+def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
+    """`--profile PATH`: the planner starts from that ranking's best policy in the fixed policy's class, and the
+    JSON names the file; without it, the library's default profile is named."""
+    from ssv_jax.planner import DEFAULT_PROFILE, save_profile
+    from ssv_jax.policy import SSVPolicy
+
+    best = SSVPolicy(top_k=2, depth=3, budget=6, order="dfs", schedule=2, precision="strict", backend="reference")
+    other = best.replace(top_k=1, budget=3)
+    prof = tmp_path / "prof.json"
+    save_profile(str(prof), {"8K": [dict(policy=p.to_dict(), tokens_per_s=v, tau=2.0)
+                                    for p, v in ((other, 10.0), (best, 20.0))]},
+                 hardware="test", model="tiny", prompts=[])
+    args = ["--random-preset", "tiny", "--contexts", "128", "--prompts", "1", "--new-tokens", "4", "--tree", "2",
+            "2", "4", "--backend", "reference", "--schedule", "2", "--methods", "ssv_planner", "--no-split",
+            "--reps", "1"]
+    out = tmp_path / "e2e.json"
+    _script("bench_e2e").main(args + ["--profile", str(prof), "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["planner_profile"] == str(prof)
+    assert [r["policy"] for r in res["rows"]] == [best.describe()]
+    _script("bench_e2e").main(args + ["--out", str(out)])
+    assert json.loads(out.read_text())["planner_profile"] == DEFAULT_PROFILE
+
+
 def test_e2e_bench_clamps_contexts_and_splits_the_fixed_policys_round(tmp_path, capsys):
     """Contexts beyond the model run at the longest it handles. The round split of the fixed policy (schedule
     P=2: RURU) has one row for the context: finite parts that sum to the round, the schedule's refresh count, and
