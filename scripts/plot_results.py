@@ -242,8 +242,12 @@ def overlap_heatmap(layout: dict):
 
 
 def e2e_speedup(data: dict):
-    """e2e_h200.json (scripts/bench_e2e.py): tokens/s and speedup over AR vs context, per method."""
+    """e2e_h200.json (scripts/bench_e2e.py): tokens/s and speedup over AR vs context, per method; the run with
+    eight prompts per context (`eight_prompts`) where present, else the top-level run."""
+    run = data.get("eight_prompts", data)
+    n = len({(r["context"], r["prompt"]) for r in run["rows"]}) // max(len({r["context"] for r in run["rows"]}), 1)
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
+    data = dict(run, new_tokens=f"{run.get('new_tokens', '')} new tokens, {n} prompts per context")
     by = defaultdict(dict)
     for key, v in data["summary"].items():
         ctx, meth = key.split("/", 1)
@@ -253,7 +257,7 @@ def e2e_speedup(data: dict):
         a.plot(ctx, [pts[c]["tokens_per_s"] for c in ctx], "o-", label=meth)
         b.plot(ctx, [pts[c]["speedup_vs_ar"] for c in ctx], "o-", label=meth)
     a.set(ylabel="tokens / s (decode)", title=f"{data.get('model', '')} on {data.get('device', '')}")
-    b.set(ylabel="speedup over AR NSA", title=f"{data.get('new_tokens', '')} new tokens")
+    b.set(ylabel="speedup over AR NSA", title=str(data["new_tokens"]))
     b.axhline(1.0, color="grey", lw=1)
     for ax in (a, b):
         ax.set(xlabel="context (tokens)")
@@ -311,7 +315,8 @@ def planner_gain(data: dict):
     `planner_heldout_profile` (on a profile of other prompts than the benchmark's), `planner_two_file_profile`
     (the same with its 16K bucket re-measured on held-out files alone), `rerun_8k_all_methods` (a later run of
     every method), `repeat_lease` and `repeat_lease_4k` (the main run repeated on other leases), `rerun_91b8638` (the
-    main run's command at a later library), labelled with their `code`."""
+    main run's command at a later library), labelled with their `code`; in a second panel, `eight_prompts` (eight
+    prompts per context) and its `repeat_same_lease`."""
     def code(run):
         return str(run.get("code", "")).split(" ")[0].rstrip(":,;")
 
@@ -326,8 +331,21 @@ def planner_gain(data: dict):
         if key in data:
             c = code(data[key])
             runs.append((f"{label} ({c})" if c else label, data[key]["rows"]))
+    eight = [(f"eight prompts ({code(data['eight_prompts'])})", data["eight_prompts"]["rows"]),
+             ("eight prompts, repeated", data["eight_prompts"]["repeat_same_lease"]["rows"])] \
+        if "eight_prompts" in data else []
+    panels = [(runs, "three prompts per context")] + ([(eight, "eight prompts per context")] if eight else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.2), sharey=True, squeeze=False)
+    for ax, (group, title) in zip(axes[0], panels):
+        _gain_panel(ax, group, f"planner gain per prompt, {title} (bar: median)")
+    axes[0][0].set(ylabel="planner tokens/s / fixed policy's")
+    fig.tight_layout()
+    return fig
+
+
+def _gain_panel(ax, runs, title):
+    """One panel of `planner_gain`: each run's per-prompt gains side by side within each context."""
     ctx = sorted({r["context"] for _, rows in runs for r in rows})
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for j, (label, rows) in enumerate(runs):  # side by side within each context
         color, dx = f"C{j}", -0.12 + 0.24 * j / max(len(runs) - 1, 1)
         tps = {(r["context"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows}
@@ -339,11 +357,9 @@ def planner_gain(data: dict):
                 ax.hlines(np.median(g), i + dx - 0.1, i + dx + 0.1, color="k")
     ax.axhline(1.0, color="grey", lw=1)
     ax.set_xticks(range(len(ctx)), [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ctx])
-    ax.set(xlabel="context", ylabel="planner tokens/s / fixed policy's", title="planner gain per prompt (bar: median)")
+    ax.set(xlabel="context", title=title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
 
 
 def group_size_e2e(prof: dict):
