@@ -94,7 +94,8 @@ def policies():
 
 def tau_prompts(tok, vocab_size: int, test: D.TokenizedSplit, ctx: int, files: int) -> list[tuple[str, np.ndarray]]:
     """The prompts of one context: the last `ctx` tokens of the held-out test stream (every context shares its
-    ending), then the first `ctx` tokens of each of `files` held-out files long enough (`generate_cli.prompts`)."""
+    ending), then `files` held-out prompts (`generate_cli.prompts`: the first `ctx` tokens of each file long enough,
+    then packed windows of shorter files)."""
     from ssv_jax.generate_cli import prompts
 
     out = [("test stream tail", test.tokens[len(test) - ctx:].astype(np.int32))]
