@@ -309,6 +309,8 @@ def ssv_generate(model, prompt_ids, *, max_new_tokens: int, policy="auto", tempe
         r_total += r
         if bar is not None:
             bar.update(int(h.sum(0).max()) if r else 0)
+        if done.all():  # the planner picks the next chunk's policy, and there is none
+            break
         tp = time.perf_counter()
         n_sw = len(planner.switches)
         pol = planner.observe(pol, h, context=int(length.max()))

@@ -253,21 +253,28 @@ def test_invalid_class_and_policy_are_rejected(profile):
         Planner.for_policy("fastest", CFG)
 
 
-def test_ssv_generate_switches_policy_online_and_records_the_trace(profile):
-    """A random draft accepts ~1 token per round; the profile predicts 4: the planner must switch after the first
-    chunk, and the greedy output stays AR's (both policies are class exact)."""
+def _tiny_ssv_model():
+    """A tiny SSVModel with a random (untrained) head, which accepts ~1 token a round, and a 100-token prompt."""
     import jax
 
     from ssv_jax import draft as dr
     from ssv_jax import model as M
-    from ssv_jax.generate import ar_generate
-    from ssv_jax.speculative import SSVModel, ssv_generate
+    from ssv_jax.speculative import SSVModel
 
     cfg = get_config("tiny", max_seq_len=512)
     params = M.init_params(cfg, jax.random.key(0))
     dcfg = dr.DraftConfig.for_target(cfg)
     m = SSVModel(cfg, params, dcfg, dr.init_draft_params(dcfg, jax.random.key(1)))
-    prompt = np.asarray(jax.random.randint(jax.random.key(2), (1, 100), 0, cfg.vocab_size))
+    return m, np.asarray(jax.random.randint(jax.random.key(2), (1, 100), 0, cfg.vocab_size))
+
+
+def test_ssv_generate_switches_policy_online_and_records_the_trace(profile):
+    """A random draft accepts ~1 token per round; the profile predicts 4: the planner must switch after the first
+    chunk, and the greedy output stays AR's (both policies are class exact)."""
+    from ssv_jax.generate import ar_generate
+    from ssv_jax.speculative import ssv_generate
+
+    m, prompt = _tiny_ssv_model()
     planner = Planner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
     res = ssv_generate(m, prompt, max_new_tokens=24, policy="auto", planner=planner, chunk_rounds=4,
                        prefill_chunk=64)
@@ -275,7 +282,34 @@ def test_ssv_generate_switches_policy_online_and_records_the_trace(profile):
     assert trace[0]["policy"] == P_BIG.describe() and trace[1]["policy"] == P_MID.describe()
     assert res.stats["switches"][0]["reason"] == "drift"
     assert res.stats["planner_us_per_switch"] is not None and res.stats["planner_us_per_chunk"] >= 0
-    np.testing.assert_array_equal(res.tokens, ar_generate((cfg, params), prompt, 24, prefill_chunk=64).tokens)
+    np.testing.assert_array_equal(res.tokens, ar_generate((m.cfg, m.params), prompt, 24, prefill_chunk=64).tokens)
+
+
+class _CountingPlanner(Planner):
+    """A Planner that counts its observations."""
+
+    def observe(self, *args, **kw):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().observe(*args, **kw)
+
+
+@pytest.mark.parametrize("chunk_rounds", [4, 64])
+def test_the_planner_observes_between_chunks_only(profile, chunk_rounds):
+    """The planner chooses the next chunk's policy, so it observes once per chunk boundary and never after the
+    last chunk: every recorded switch is run by a later chunk. A generation in one chunk records no switch, although
+    its acceptance (~1 token a round) is far below the profile's 4."""
+    from ssv_jax.speculative import ssv_generate
+
+    m, prompt = _tiny_ssv_model()
+    planner = _CountingPlanner.from_profile(load_profile(profile), "exact", eps=0.5, window=8)
+    res = ssv_generate(m, prompt, max_new_tokens=24, policy="auto", planner=planner, chunk_rounds=chunk_rounds,
+                       prefill_chunk=64)
+    trace = res.stats["policy_trace"]
+    assert getattr(planner, "calls", 0) == len(trace) - 1
+    for s in res.stats["switches"]:
+        assert s["to"] in [t["policy"] for t in trace[1:]]
+    if len(trace) == 1:
+        assert res.stats["switches"] == []
 
 
 def test_kernel_policies_run_on_the_reference_path_off_the_gpu(tmp_path):
