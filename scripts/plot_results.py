@@ -316,7 +316,7 @@ def planner_gain(data: dict):
     (the same with its 16K bucket re-measured on held-out files alone), `rerun_8k_all_methods` (a later run of
     every method), `repeat_lease` and `repeat_lease_4k` (the main run repeated on other leases), `rerun_91b8638` (the
     main run's command at a later library), labelled with their `code`; in a second panel, `eight_prompts` (eight
-    prompts per context) and its `repeat_same_lease`."""
+    prompts per context) with its `repeat_same_lease` and `second_lease`."""
     def code(run):
         return str(run.get("code", "")).split(" ")[0].rstrip(":,;")
 
@@ -331,9 +331,13 @@ def planner_gain(data: dict):
         if key in data:
             c = code(data[key])
             runs.append((f"{label} ({c})" if c else label, data[key]["rows"]))
-    eight = [(f"eight prompts ({code(data['eight_prompts'])})", data["eight_prompts"]["rows"]),
-             ("eight prompts, repeated", data["eight_prompts"]["repeat_same_lease"]["rows"])] \
-        if "eight_prompts" in data else []
+    eight = []
+    if "eight_prompts" in data:
+        run = data["eight_prompts"]
+        eight = [(f"eight prompts ({code(run)})", run["rows"])] + [
+            (f"{label} ({code(run[key])})", run[key]["rows"])
+            for key, label in (("repeat_same_lease", "repeated, same lease"), ("second_lease", "second lease"))
+            if key in run]
     panels = [(runs, "three prompts per context")] + ([(eight, "eight prompts per context")] if eight else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.2), sharey=True, squeeze=False)
     for ax, (group, title) in zip(axes[0], panels):
