@@ -145,7 +145,7 @@ def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
             elif take(rel, ids):
                 return out
         files, window = [], []
-        for rel, ids in short if pack else ():
+        for rel, ids in (short if pack else ()):
             files.append(rel)
             window += list(ids) + [tok.eos_id]
             if len(window) >= n_tokens:
