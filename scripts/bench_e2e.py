@@ -41,6 +41,18 @@ def schedule_arg(s: str):
     return int(s) if s.isdigit() else s
 
 
+def planner_gain(rows) -> dict:
+    """Per context, the planner's tokens/s over the fixed policy's on each prompt both ran: {context: {per_prompt,
+    median, mean, min, max}} (issue #8 asks for the gain's spread, not only its mean)."""
+    tps = {(r["context"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows}
+    out = {}
+    for (ctx, name, meth), v in tps.items():
+        if meth == "ssv_planner" and (ctx, name, "ssv") in tps:
+            out.setdefault(ctx, {})[name] = v / tps[(ctx, name, "ssv")]
+    return {ctx: dict(per_prompt=g, median=float(np.median(list(g.values()))), mean=float(np.mean(list(g.values()))),
+                      min=min(g.values()), max=max(g.values())) for ctx, g in out.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
@@ -131,7 +143,7 @@ def main(argv=None):
                    new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
                    chunk_rounds=a.chunk_rounds, chunk_steps=a.chunk_steps, draft_select=a.draft_select,
                    planner_profile=a.profile or DEFAULT_PROFILE,
-                   rows=rows, summary=summary,
+                   rows=rows, summary=summary, planner_gain=planner_gain(rows),
                    timing=f"host wall clock of the decode loop after a compile run, the median of {a.reps} runs; "
                           "prefill excluded")
         if not a.no_split:
@@ -161,6 +173,9 @@ def main(argv=None):
         summary = write(contexts[: i + 1])
     for key, v in summary.items():
         print(f"{key:28s} {v['tokens_per_s']:9.1f} tok/s  x{v['speedup_vs_ar']:.2f} vs AR  tau {v['tau']:.2f}")
+    for ctx, g in planner_gain(rows).items():
+        print(f"{ctx} planner / fixed policy per prompt: median {g['median']:.3f}, mean {g['mean']:.3f}, "
+              f"range {g['min']:.3f}-{g['max']:.3f} over {len(g['per_prompt'])} prompts")
 
 
 if __name__ == "__main__":

@@ -150,6 +150,23 @@ def test_ar_bench_decodes_each_context_in_a_cache_sized_for_it(tmp_path):
         assert all(r["decode_ms_per_token"] > 0 and r["steps"] == 3 for r in res["decode"])
 
 
+def test_e2e_planner_gain_is_per_prompt_with_its_spread():
+    """`bench_e2e.planner_gain`: per context, the planner's tokens/s over the fixed policy's on each prompt that
+    both ran, with the median, mean and range; a prompt without both rows is left out."""
+    rng = np.random.default_rng()
+    fixed, planned = rng.uniform(100, 200, 3), rng.uniform(100, 200, 3)
+    rows = [dict(context=8, prompt=f"p{i}", method=m, tokens_per_s=float(v))
+            for i in range(3) for m, v in (("ssv", fixed[i]), ("ssv_planner", planned[i]), ("ar", 50.0))]
+    rows.append(dict(context=8, prompt="planner only", method="ssv_planner", tokens_per_s=1.0))
+    g = _script("bench_e2e").planner_gain(rows)
+    assert list(g) == [8]
+    ratio = planned / fixed
+    assert g[8]["per_prompt"] == pytest.approx({f"p{i}": ratio[i] for i in range(3)})
+    assert (g[8]["median"], g[8]["mean"]) == pytest.approx((np.median(ratio), np.mean(ratio)))
+    assert (g[8]["min"], g[8]["max"]) == pytest.approx((ratio.min(), ratio.max()))
+    assert _script("bench_e2e").planner_gain([r for r in rows if r["method"] != "ssv_planner"]) == {}
+
+
 def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     """`--profile PATH`: the planner starts from that ranking's best policy in the fixed policy's class, and the
     JSON names the file; without it, the library's default profile is named."""
