@@ -227,6 +227,8 @@ def main(argv=None) -> dict:
         results["init_draft"] = str(args.init_draft)
         old = ckpt.read_bundle_meta(args.init_draft).get("meta", {})
         meta.update({k: v for k, v in old.items() if k == "draft_training"})
+        if "draft_finetune" in old:  # a refit of a refitted head: the earlier refit's record nests inside
+            results["previous"] = old["draft_finetune"]
         meta["draft_finetune"] = results
     draft_params = {**state["params"], **buffers}
     out = ckpt.save_bundle(args.out or args.bundle, cfg, tp, draft_cfg=dcfg, draft_params=draft_params,

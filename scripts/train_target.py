@@ -396,6 +396,8 @@ def main(argv=None) -> dict:
         old = ckpt.read_bundle_meta(args.init_bundle).get("meta", {})
         results["init_bundle"] = str(args.init_bundle)
         bundle_meta = {k: v for k, v in old.items() if k.startswith("target_")}
+        if "target_finetune" in old:  # a continuation of a continuation: the earlier one's record nests inside
+            results["previous"] = old["target_finetune"]
         bundle_meta["target_finetune"] = results
     ckpt.save_bundle(args.out, cfg, state["params"], tokenizer=tok, dtype=args.save_dtype, force=True,
                      extra_meta=bundle_meta)

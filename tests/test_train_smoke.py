@@ -95,6 +95,29 @@ def test_continued_training_starts_from_the_bundle_and_keeps_its_record(tiny_bun
     assert meta["draft_training"] == read_bundle_meta(full)["meta"]["draft_training"]
 
 
+def test_a_second_continuation_keeps_the_first_ones_record(tiny_bundle):
+    """Continuing a continued target, or refitting a refitted head, nests the earlier continuation's record under
+    the new one's `previous`, so a bundle's meta holds its whole training history."""
+    from ssv_jax.checkpoint import read_bundle_meta
+
+    d, _ = tiny_bundle
+    full = _full_bundle(d)
+    _run("train_target.py", "--steps", 1, "--init-bundle", full, "--out", d / "once", "--data-dir", d / "data")
+    _run("train_eagle3.py", "--steps", 1, "--bundle", d / "once", "--init-draft", full, "--data-dir", d / "data",
+         "--ttt-steps", 3)
+    first = read_bundle_meta(d / "once")["meta"]
+    assert "previous" not in first["target_finetune"] and "previous" not in first["draft_finetune"]
+    _run("train_target.py", "--steps", 1, "--init-bundle", d / "once", "--out", d / "twice", "--data-dir", d / "data")
+    _run("train_eagle3.py", "--steps", 1, "--bundle", d / "twice", "--init-draft", d / "once", "--data-dir",
+         d / "data", "--ttt-steps", 3)
+    second = read_bundle_meta(d / "twice")["meta"]
+    assert second["target_finetune"]["init_bundle"] == str(d / "once")
+    assert second["target_finetune"]["previous"] == first["target_finetune"]
+    assert second["draft_finetune"]["previous"] == first["draft_finetune"]
+    assert second["target_training"] == first["target_training"]
+    assert second["draft_training"] == first["draft_training"]
+
+
 def test_init_draft_rejects_a_head_of_another_shape(tiny_bundle):
     d, _ = tiny_bundle
     full = _full_bundle(d)
