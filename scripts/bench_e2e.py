@@ -7,7 +7,10 @@
 Methods: AR NSA; naive SD+NSA (per-query kernel, no grouping, no reuse); SSV with a fixed policy (the best
 fixed one given, kernel path; `--tree`, and `--schedule`, which the baselines do not take); SSV with the planner
 (policy "auto", choosing within the fixed policy's precision class); dense EAGLE-3 SD (the same weights with dense
-attention). Each method runs once per prompt to compile, then once timed; tokens/s excludes prefill.
+attention). Each method runs once per prompt to compile, then `--reps` times timed (the median run counts);
+tokens/s excludes prefill. `planner_gain` in the JSON holds the planner's tokens/s over the fixed policy's per
+prompt with its median, mean and range, and the same over the prompts its profile was not measured on
+(`disjoint`; a planner row says `profiled` when its prompt shares a file with the profile's prompts).
 
 Round time split (issue #8; off with `--no-split`): after each context's methods, one SSV round of the fixed
 policy from the first prompt's prefilled state is split into draft, routing, attention (the NSA branches), the rest
@@ -29,8 +32,8 @@ from tqdm.auto import tqdm
 from ssv_jax import model as M
 from ssv_jax import speculative, timing
 from ssv_jax.generate import ar_generate
-from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
-from ssv_jax.planner import DEFAULT_PROFILE, Planner
+from ssv_jax.generate_cli import add_dtype_arg, load_model, prompt_files, prompts
+from ssv_jax.planner import DEFAULT_PROFILE, Planner, ProfileError, load_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.schedule import parse
 from ssv_jax.speculative import ssv_generate
@@ -41,16 +44,37 @@ def schedule_arg(s: str):
     return int(s) if s.isdigit() else s
 
 
+def profiled_files(path: str) -> set[str]:
+    """The held-out files the planner profile at `path` was measured on (none when it cannot be read)."""
+    try:
+        prof = load_profile(path)
+    except ProfileError:
+        return set()
+    return {f for p in prof.get("prompts", []) for f in prompt_files(p["file"] if isinstance(p, dict) else str(p))}
+
+
+def _spread(g: dict) -> dict:
+    v = list(g.values())
+    return dict(per_prompt=g, median=float(np.median(v)), mean=float(np.mean(v)), min=min(v), max=max(v))
+
+
 def planner_gain(rows) -> dict:
     """Per context, the planner's tokens/s over the fixed policy's on each prompt both ran: {context: {per_prompt,
-    median, mean, min, max}} (issue #8 asks for the gain's spread, not only its mean)."""
+    median, mean, min, max}} (issue #8 asks for the gain's spread, not only its mean). Where some planner rows
+    are marked `profiled` (their prompt shares a file with the planner's profile), `disjoint` holds the same
+    figures over the other prompts alone, when there are any."""
     tps = {(r["context"], r["prompt"], r["method"]): r["tokens_per_s"] for r in rows}
+    profiled = {(r["context"], r["prompt"]) for r in rows if r["method"] == "ssv_planner" and r.get("profiled")}
     out = {}
     for (ctx, name, meth), v in tps.items():
         if meth == "ssv_planner" and (ctx, name, "ssv") in tps:
             out.setdefault(ctx, {})[name] = v / tps[(ctx, name, "ssv")]
-    return {ctx: dict(per_prompt=g, median=float(np.median(list(g.values()))), mean=float(np.mean(list(g.values()))),
-                      min=min(g.values()), max=max(g.values())) for ctx, g in out.items()}
+    res = {ctx: _spread(g) for ctx, g in out.items()}
+    for ctx, g in out.items():
+        disjoint = {name: v for name, v in g.items() if (ctx, name) not in profiled}
+        if profiled and disjoint:
+            res[ctx]["disjoint"] = _spread(disjoint)
+    return res
 
 
 def main(argv=None):
@@ -114,6 +138,7 @@ def main(argv=None):
         print(f"contexts {a.contexts} -> {contexts}: the model handles at most {longest} prompt tokens with "
               f"{a.new_tokens} new tokens")
     rows, split = [], []
+    seen = profiled_files(a.profile or DEFAULT_PROFILE) if "ssv_planner" in a.methods else set()
     m_dec = None if a.no_split else m._replace(params=M.split_layers(m.params))  # the rounds' weight layout
 
     def split_row(ctx, name, p):
@@ -166,7 +191,10 @@ def main(argv=None):
                                  # SSV: each chunk's rounds and host seconds, the planner's host µs per chunk
                                  chunks=[dict(rounds=c["rounds"], seconds=c["seconds"])
                                          for c in s.get("policy_trace", [])],
-                                 planner_us_per_chunk=s.get("planner_us_per_chunk")))
+                                 planner_us_per_chunk=s.get("planner_us_per_chunk"),
+                                 # the planner's prompt shares a file with its profile's (not a held-out test)
+                                 **(dict(profiled=bool(set(prompt_files(name)) & seen))
+                                    if meth == "ssv_planner" else {})))
             summary = write(contexts[: i + 1])  # after each prompt, so that a run cut off keeps its prompts
         if not a.no_split:
             split.append(split_row(ctx, *ps[0]))
@@ -174,8 +202,10 @@ def main(argv=None):
     for key, v in summary.items():
         print(f"{key:28s} {v['tokens_per_s']:9.1f} tok/s  x{v['speedup_vs_ar']:.2f} vs AR  tau {v['tau']:.2f}")
     for ctx, g in planner_gain(rows).items():
-        print(f"{ctx} planner / fixed policy per prompt: median {g['median']:.3f}, mean {g['mean']:.3f}, "
-              f"range {g['min']:.3f}-{g['max']:.3f} over {len(g['per_prompt'])} prompts")
+        for label, h in (("", g), (" (prompts the profile did not use)", g.get("disjoint"))):
+            if h:
+                print(f"{ctx} planner / fixed policy per prompt{label}: median {h['median']:.3f}, mean "
+                      f"{h['mean']:.3f}, range {h['min']:.3f}-{h['max']:.3f} over {len(h['per_prompt'])} prompts")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,11 @@ def packed_name(files: list[str]) -> str:
     return "packed: " + " + ".join(files)
 
 
+def prompt_files(source: str) -> list[str]:
+    """The held-out files a prompt's source name covers (`packed_name`'s inverse; a whole file names itself)."""
+    return source[len("packed: "):].split(" + ") if source.startswith("packed: ") else [source]
+
+
 def prompts(tok, vocab_size: int, n_tokens: int, count: int, seed: int = 0,
             skip: int = 0, fill: bool = True, pack: bool = True) -> list[tuple[str, np.ndarray]]:
     """`count` prompts of `n_tokens` ids from held-out (test split) stdlib source when there is a tokenizer

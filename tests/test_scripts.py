@@ -75,7 +75,7 @@ def test_held_out_prompts_are_whole_files_then_shorter_files_packed_as_in_traini
     shorter files' ids, each followed by end-of-text, cut to n: a window starts at a file, its files are
     consecutive held-out files in path order, and no file appears twice. `pack=False` keeps whole files only."""
     from ssv_jax import data
-    from ssv_jax.generate_cli import packed_name, prompts
+    from ssv_jax.generate_cli import packed_name, prompt_files, prompts
     from ssv_jax.tokenizer import Tokenizer
 
     tok = Tokenizer.load(ROOT / "checkpoints" / "ssv-small" / "tokenizer.json")
@@ -85,13 +85,13 @@ def test_held_out_prompts_are_whole_files_then_shorter_files_packed_as_in_traini
             if not rel.split("/")[-1].startswith("_")}
     whole = [rel for rel, ids in docs.items() if len(ids) >= n + 16]
     assert [name for name, _ in got[:len(whole)]] == whole
-    assert all(np.array_equal(ids, docs[name][:n]) for name, ids in got[:len(whole)])
+    assert all(np.array_equal(ids, docs[name][:n]) and prompt_files(name) == [name] for name, ids in got[:len(whole)])
     packed = got[len(whole):]
     assert packed and all(name.startswith("packed: ") for name, _ in packed)
     short, used = [rel for rel in docs if rel not in whole], []
     for name, ids in packed:
         files = name[len("packed: "):].split(" + ")
-        assert name == packed_name(files)
+        assert name == packed_name(files) and prompt_files(name) == files
         i = short.index(files[0])
         assert short[i:i + len(files)] == files  # consecutive files
         expect = [t for rel in files for t in list(docs[rel]) + [tok.eos_id]]
@@ -165,11 +165,18 @@ def test_e2e_planner_gain_is_per_prompt_with_its_spread():
     assert (g[8]["median"], g[8]["mean"]) == pytest.approx((np.median(ratio), np.mean(ratio)))
     assert (g[8]["min"], g[8]["max"]) == pytest.approx((ratio.min(), ratio.max()))
     assert _script("bench_e2e").planner_gain([r for r in rows if r["method"] != "ssv_planner"]) == {}
+    assert "disjoint" not in g[8]  # no row says its prompt was profiled
+    rows[1]["profiled"] = True  # p0's planner row: a prompt the planner's profile was measured on
+    d = _script("bench_e2e").planner_gain(rows)[8]["disjoint"]
+    assert d["per_prompt"] == pytest.approx({f"p{i}": ratio[i] for i in (1, 2)})
+    assert (d["min"], d["max"]) == pytest.approx((ratio[1:].min(), ratio[1:].max()))
 
 
 def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     """`--profile PATH`: the planner starts from that ranking's best policy in the fixed policy's class, and the
-    JSON names the file; without it, the library's default profile is named."""
+    JSON names the file; a planner row whose prompt the profile was measured on says so (`profiled`). Without
+    the flag, the library's default profile is named."""
+    from ssv_jax.generate_cli import RANDOM_PROMPT
     from ssv_jax.planner import DEFAULT_PROFILE, save_profile
     from ssv_jax.policy import SSVPolicy
 
@@ -178,7 +185,7 @@ def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     prof = tmp_path / "prof.json"
     save_profile(str(prof), {"8K": [dict(policy=p.to_dict(), tokens_per_s=v, tau=2.0)
                                     for p, v in ((other, 10.0), (best, 20.0))]},
-                 hardware="test", model="tiny", prompts=[])
+                 hardware="test", model="tiny", prompts=[dict(context=128, file=RANDOM_PROMPT)])
     args = ["--random-preset", "tiny", "--contexts", "128", "--prompts", "1", "--new-tokens", "4", "--tree", "2",
             "2", "4", "--backend", "reference", "--schedule", "2", "--methods", "ssv_planner", "--no-split",
             "--reps", "1"]
@@ -186,7 +193,7 @@ def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     _script("bench_e2e").main(args + ["--profile", str(prof), "--out", str(out)])
     res = json.loads(out.read_text())
     assert res["planner_profile"] == str(prof)
-    assert [r["policy"] for r in res["rows"]] == [best.describe()]
+    assert [(r["policy"], r["profiled"]) for r in res["rows"]] == [(best.describe(), True)]
     _script("bench_e2e").main(args + ["--out", str(out)])
     assert json.loads(out.read_text())["planner_profile"] == DEFAULT_PROFILE
 
