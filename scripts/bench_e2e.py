@@ -10,7 +10,8 @@ fixed one given, kernel path; `--tree`, and `--schedule`, which the baselines do
 attention). Each method runs once per prompt to compile, then `--reps` times timed (the median run counts);
 tokens/s excludes prefill. `planner_gain` in the JSON holds the planner's tokens/s over the fixed policy's per
 prompt with its median, mean and range, and the same over the prompts its profile was not measured on
-(`disjoint`; a planner row says `profiled` when its prompt shares a file with the profile's prompts).
+(`disjoint`; a planner row says `profiled` when its prompt shares a file with the profile's prompts of a
+context bucket the generation can use).
 
 Round time split (issue #8; off with `--no-split`): after each context's methods, one SSV round of the fixed
 policy from the first prompt's prefilled state is split into draft, routing, attention (the NSA branches), the rest
@@ -33,7 +34,7 @@ from ssv_jax import model as M
 from ssv_jax import speculative, timing
 from ssv_jax.generate import ar_generate
 from ssv_jax.generate_cli import add_dtype_arg, load_model, prompt_files, prompts
-from ssv_jax.planner import DEFAULT_PROFILE, Planner, ProfileError, load_profile
+from ssv_jax.planner import DEFAULT_PROFILE, Planner, ProfileError, bucket_of, load_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.schedule import parse
 from ssv_jax.speculative import ssv_generate
@@ -44,13 +45,25 @@ def schedule_arg(s: str):
     return int(s) if s.isdigit() else s
 
 
-def profiled_files(path: str) -> set[str]:
-    """The held-out files the planner profile at `path` was measured on (none when it cannot be read)."""
+def profiled_files(path: str) -> dict:
+    """Context bucket -> the held-out files the planner profile at `path` measured that bucket on (key None: a
+    prompt recorded without its context); empty when the profile cannot be read."""
     try:
         prof = load_profile(path)
     except ProfileError:
-        return set()
-    return {f for p in prof.get("prompts", []) for f in prompt_files(p["file"] if isinstance(p, dict) else str(p))}
+        return {}
+    out = {}
+    for p in prof.get("prompts", []):
+        b, name = (bucket_of(p["context"]), p["file"]) if isinstance(p, dict) else (None, str(p))
+        out.setdefault(b, set()).update(prompt_files(name))
+    return out
+
+
+def was_profiled(seen: dict, name: str, context: int, new_tokens: int) -> bool:
+    """Whether prompt `name` shares a file with the profile's prompts of a bucket its generation can use: the
+    prompt's bucket, or the one its context grows into."""
+    buckets = {None, bucket_of(context), bucket_of(context + new_tokens)}
+    return bool(set(prompt_files(name)) & set().union(*(seen.get(b, set()) for b in buckets)))
 
 
 def _spread(g: dict) -> dict:
@@ -138,7 +151,7 @@ def main(argv=None):
         print(f"contexts {a.contexts} -> {contexts}: the model handles at most {longest} prompt tokens with "
               f"{a.new_tokens} new tokens")
     rows, split = [], []
-    seen = profiled_files(a.profile or DEFAULT_PROFILE) if "ssv_planner" in a.methods else set()
+    seen = profiled_files(a.profile or DEFAULT_PROFILE) if "ssv_planner" in a.methods else {}
     m_dec = None if a.no_split else m._replace(params=M.split_layers(m.params))  # the rounds' weight layout
 
     def split_row(ctx, name, p):
@@ -193,7 +206,7 @@ def main(argv=None):
                                          for c in s.get("policy_trace", [])],
                                  planner_us_per_chunk=s.get("planner_us_per_chunk"),
                                  # the planner's prompt shares a file with its profile's (not a held-out test)
-                                 **(dict(profiled=bool(set(prompt_files(name)) & seen))
+                                 **(dict(profiled=was_profiled(seen, name, ctx, a.new_tokens))
                                     if meth == "ssv_planner" else {})))
             summary = write(contexts[: i + 1])  # after each prompt, so that a run cut off keeps its prompts
         if not a.no_split:

@@ -172,6 +172,26 @@ def test_e2e_planner_gain_is_per_prompt_with_its_spread():
     assert (d["min"], d["max"]) == pytest.approx((ratio[1:].min(), ratio[1:].max()))
 
 
+def test_e2e_marks_a_prompt_profiled_where_its_files_ranked_a_bucket_the_generation_can_use(tmp_path):
+    """A planner row is `profiled` when its prompt shares a file with the profile's prompts of the prompt's context
+    bucket or of the bucket its generation grows into; prompts of other buckets do not count."""
+    from ssv_jax.planner import save_profile
+    from ssv_jax.policy import SSVPolicy
+
+    be = _script("bench_e2e")
+    path = tmp_path / "prof.json"
+    used = [dict(context=8192, file="pdb.py"), dict(context=15712, file="packed: a.py + pickle.py")]
+    save_profile(str(path), {"8K": [dict(policy=SSVPolicy().to_dict(), tokens_per_s=1.0, tau=2.0)]},
+                 hardware="test", model="tiny", prompts=used)
+    seen = be.profiled_files(str(path))
+    assert seen == {"8K": {"pdb.py"}, "16K": {"a.py", "pickle.py"}}
+    assert be.was_profiled(seen, "pdb.py", 8000, 96) and not be.was_profiled(seen, "pdb.py", 15712, 96)
+    assert be.was_profiled(seen, "pickle.py", 8192, 96)  # 8192 + 96 tokens reach the 16K bucket
+    assert not be.was_profiled(seen, "pickle.py", 4096, 96)
+    assert be.was_profiled(seen, "packed: b.py + pickle.py", 15712, 96)
+    assert be.was_profiled({None: {"x.py"}}, "x.py", 100, 1) and be.profiled_files(str(tmp_path / "none")) == {}
+
+
 def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     """`--profile PATH`: the planner starts from that ranking's best policy in the fixed policy's class, and the
     JSON names the file; a planner row whose prompt the profile was measured on says so (`profiled`). Without
