@@ -247,17 +247,16 @@ def e2e_speedup(data: dict):
     run = data.get("eight_prompts", data)
     n = len({(r["context"], r["prompt"]) for r in run["rows"]}) // max(len({r["context"] for r in run["rows"]}), 1)
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
-    data = dict(run, new_tokens=f"{run.get('new_tokens', '')} new tokens, {n} prompts per context")
     by = defaultdict(dict)
-    for key, v in data["summary"].items():
+    for key, v in run["summary"].items():
         ctx, meth = key.split("/", 1)
         by[meth][int(ctx)] = v
     for meth, pts in by.items():
         ctx = sorted(pts)
         a.plot(ctx, [pts[c]["tokens_per_s"] for c in ctx], "o-", label=meth)
         b.plot(ctx, [pts[c]["speedup_vs_ar"] for c in ctx], "o-", label=meth)
-    a.set(ylabel="tokens / s (decode)", title=f"{data.get('model', '')} on {data.get('device', '')}")
-    b.set(ylabel="speedup over AR NSA", title=str(data["new_tokens"]))
+    a.set(ylabel="tokens / s (decode)", title=f"{run.get('model', '')} on {run.get('device', '')}")
+    b.set(ylabel="speedup over AR NSA", title=f"{run.get('new_tokens', '')} new tokens, {n} prompts per context")
     b.axhline(1.0, color="grey", lw=1)
     for ax in (a, b):
         ax.set(xlabel="context (tokens)")
