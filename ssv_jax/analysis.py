@@ -7,16 +7,24 @@
 
 Selections come from the model's own routing (`forward_train(..., with_selection=True)` and
 `forward_tree(..., with_selection=True)`).
+
+Mode B (every query of a group routes with the group's first query's blocks) has no AR twin, so its cost is
+measured against mode A on the same trees (`mode_b_agreement`, DESIGN.md "Verification exactness").
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ssv_jax import model as M
+from ssv_jax import acceptance as acc
+from ssv_jax import speculative as sp
 from ssv_jax.config import ModelConfig
+from ssv_jax.policy import SSVPolicy
 from pallas_kernels.overlap import overlap_gamma
 
 
@@ -63,3 +71,70 @@ def sequence_selections(params, cfg: ModelConfig, tokens, schedule=None) -> jax.
 def tree_selections(params, cfg: ModelConfig, tree: M.TreeInputs, cache, schedule=None) -> jax.Array:
     """Every layer's routing for the nodes of a verified tree: [L, B, N, Hkv, n]."""
     return M.forward_tree(params, cfg, tree, cache, schedule=schedule, with_selection=True)[4]
+
+
+@partial(jax.jit, static_argnames=("cfg", "dcfg", "policy", "phase", "max_new"))
+def _round_phase(params, dparams, st: sp.RoundState, *, cfg, dcfg, policy: SSVPolicy, phase: str, max_new: int):
+    """`ssv_round` up to `phase` ("draft": the tree, "verify": the target logits, "all": the next state), greedy."""
+    m = sp.SSVModel(cfg, params, dcfg, dparams)
+    return sp.ssv_round(m, policy, 0.0, st, jax.random.key(0), jnp.int32(-2), max_new, phase=phase)
+
+
+@partial(jax.jit, static_argnames=("depth",))
+def _compare(tree, logits_a, logits_b, *, depth: int):
+    """Per row: node agreement, emitted-token agreement, tokens each mode accepts, max |logit difference|."""
+    best_a = jnp.argmax(logits_a, -1)
+    best_b = jnp.argmax(logits_b, -1)
+    same = best_a == best_b  # [B, N]
+    path, n_a, _ = acc.greedy_accept(tree, logits_a, depth)
+    _, n_b, _ = acc.greedy_accept(tree, logits_b, depth)
+    on_path = jnp.arange(path.shape[1])[None, :] <= n_a[:, None]  # mode A emits the argmax at these nodes
+    same_on_path = jnp.take_along_axis(same, jnp.maximum(path, 0), axis=1) & on_path
+    gap = jnp.max(jnp.abs(logits_a.astype(jnp.float32) - logits_b.astype(jnp.float32)), axis=(1, 2))
+    return dict(node_agreement=jnp.mean(same, 1), emitted_agreement=jnp.sum(same_on_path, 1) / (n_a + 1),
+                accepted_a=n_a + 1, accepted_b=n_b + 1, max_logit_gap=gap)
+
+
+def mode_b_agreement(model, prompt_ids, policy: SSVPolicy, rounds: int, *, prefill_chunk: int = 512) -> dict:
+    """Mode B's cost against mode A on identical trees, along mode A's greedy generation.
+
+    Each round drafts one tree from mode A's state and verifies it twice, under `policy` (mode B) and under the
+    same policy in mode A (same tree, order, C, schedule, backend). Then mode A's round advances the state, so
+    every round is scored on the text greedy mode A emits, which is greedy AR under the policy's schedule.
+
+    Args:
+      model: an `SSVModel` or a bundle with a draft head (`speculative.unpack_ssv`).
+      prompt_ids: [P] or [B, P] token ids.
+      policy: an `SSVPolicy` in mode "B".
+      rounds: rounds to score (>= 1).
+    Returns a dict of numpy arrays [rounds, B]:
+      - `node_agreement`: the share of tree nodes whose target argmax (next token) is the same in both modes;
+      - `emitted_agreement`: the same over the nodes whose argmax mode A emits (its accepted path, bonus
+        included): the next-token agreement that decides the text;
+      - `accepted_a`, `accepted_b`: tokens each mode's greedy acceptance emits from the same tree (tau);
+      - `max_logit_gap`: max |logit_A - logit_B| over nodes and vocabulary;
+    and `tokens` [B, n]: the text mode A emitted (the root token and every round's tokens).
+    """
+    if not isinstance(policy, SSVPolicy) or policy.mode != "B":
+        raise ValueError(f"policy={policy!r} is invalid; accepted: an SSVPolicy with mode='B'")
+    if not (isinstance(rounds, int) and rounds >= 1):
+        raise ValueError(f"rounds={rounds!r} is invalid; accepted: an integer >= 1")
+    m = sp.unpack_ssv(model)
+    policy_a = policy.replace(mode="A", precision="strict")
+    for p in (policy, policy_a):
+        p.check_for(m.cfg)
+    max_new = rounds * (policy.depth + 1) + 1
+    prompt, tcache, dcache = sp.new_caches(m, prompt_ids, max_new, policy.depth, prefill_chunk)
+    st = sp.first_state(m, prompt, tcache, dcache, jnp.int32(-2), max_new, policy.depth,
+                        prefill_chunk=prefill_chunk, schedule=policy.schedule)
+    kw = dict(cfg=m.cfg, dcfg=m.draft_cfg, max_new=max_new)
+    rows = []
+    for _ in range(rounds):
+        tree = _round_phase(m.params, m.draft_params, st, policy=policy_a, phase="draft", **kw)
+        la = _round_phase(m.params, m.draft_params, st, policy=policy_a, phase="verify", **kw)
+        lb = _round_phase(m.params, m.draft_params, st, policy=policy, phase="verify", **kw)
+        rows.append(jax.device_get(_compare(tree, la, lb, depth=policy.depth)))
+        st, _ = _round_phase(m.params, m.draft_params, st, policy=policy_a, phase="all", **kw)
+    out = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    out["tokens"] = np.asarray(st.out)[:, : int(np.max(np.asarray(st.n_out)))]
+    return out

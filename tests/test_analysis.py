@@ -1,8 +1,9 @@
-"""Overlap measures behind the paper's observations."""
+"""Overlap measures behind the paper's observations, and mode B's cost against mode A."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ssv_jax import analysis
 from ssv_jax import model as M
@@ -36,3 +37,58 @@ def test_model_selections_have_the_routing_shape_and_forced_blocks():
     assert {0, t // cfg.slc_block, t // cfg.slc_block - 1} <= set(np.asarray(sels[0, 0, t, 0]).tolist())
     stab = analysis.layer_stability(sels, 2, min_pos=128)
     assert np.all((stab[:-2, :] >= 0) & (stab[:-2, :] <= 1))
+
+
+# Mode B against mode A (DESIGN.md: mode B has no AR twin; its cost is acceptance length and next-token agreement)
+
+def _tiny_ssv():
+    from ssv_jax import draft as dr
+    from ssv_jax.speculative import SSVModel
+
+    cfg = get_config("tiny", max_seq_len=1024)
+    dcfg = dr.DraftConfig.for_target(cfg)
+    model = SSVModel(cfg, M.init_params(cfg, jax.random.key(0)), dcfg, dr.init_draft_params(dcfg, jax.random.key(1)))
+    prompt = np.asarray(jax.random.randint(jax.random.key(2), (1, 150), 0, cfg.vocab_size))
+    return model, prompt
+
+
+def _mode_b(group_size: int):
+    from ssv_jax.policy import SSVPolicy
+
+    return SSVPolicy(top_k=4, depth=4, budget=16, order="dfs", mode="B", group_size=group_size, precision="approx")
+
+
+def test_mode_b_in_groups_of_one_is_mode_a():
+    model, prompt = _tiny_ssv()
+    r = analysis.mode_b_agreement(model, prompt, _mode_b(1), rounds=3, prefill_chunk=64)
+    np.testing.assert_allclose(r["max_logit_gap"], 0.0, atol=1e-5)  # a group of one routes with its own blocks
+    np.testing.assert_array_equal(r["node_agreement"], 1.0)
+    np.testing.assert_array_equal(r["emitted_agreement"], 1.0)
+    np.testing.assert_array_equal(r["accepted_a"], r["accepted_b"])
+
+
+def test_mode_b_agreement_scores_shared_routing_along_mode_as_greedy_text():
+    from ssv_jax.generate import ar_generate
+
+    model, prompt = _tiny_ssv()
+    rounds = 3
+    r = analysis.mode_b_agreement(model, prompt, _mode_b(16), rounds=rounds, prefill_chunk=64)
+    for k in ("node_agreement", "emitted_agreement", "accepted_a", "accepted_b", "max_logit_gap"):
+        assert r[k].shape == (rounds, 1), k
+    # one group of 16 queries shares the root's blocks: the logits move, though the argmax mostly holds
+    assert np.all(r["max_logit_gap"] > 1e-3)
+    assert np.all((r["node_agreement"] >= 0) & (r["node_agreement"] <= 1))
+    assert np.all((r["emitted_agreement"] >= 0) & (r["emitted_agreement"] <= 1))
+    assert np.all((r["accepted_a"] >= 1) & (r["accepted_a"] <= 5) & (r["accepted_b"] >= 1) & (r["accepted_b"] <= 5))
+    # the rounds advance along mode A, whose greedy text is greedy AR's
+    n = r["tokens"].shape[1]
+    assert n == 1 + int(r["accepted_a"].sum())
+    np.testing.assert_array_equal(r["tokens"], ar_generate(model[:2], prompt, n, prefill_chunk=64).tokens)
+
+
+def test_mode_b_agreement_rejects_bad_input():
+    model, prompt = _tiny_ssv()
+    with pytest.raises(ValueError, match="mode='B'"):
+        analysis.mode_b_agreement(model, prompt, _mode_b(4).replace(mode="A", precision="exact"), rounds=2)
+    with pytest.raises(ValueError, match="rounds=0"):
+        analysis.mode_b_agreement(model, prompt, _mode_b(4), rounds=0)

@@ -639,3 +639,28 @@ def test_gpu_smoke_reports_greedy_ssv_equal_to_ar_for_the_fixed_tree_and_auto(tm
     assert [r["dtype"] for r in res["rows"]] == ["float32", "float32"]
     assert "tree(k=2, depth=3, budget=6)" in res["rows"][0]["policy"]
     assert all(r["greedy_identical"] and r["tau"] >= 1 for r in res["rows"])
+
+
+def test_mode_b_agreement_pairs_trees_and_free_runs_against_mode_a(tmp_path):
+    """Per policy: paired next-token agreement and tau on identical trees, and a free run against mode A's text;
+    in groups of one, mode B is mode A on both counts."""
+    out = tmp_path / "mode_b.json"
+    res = _script("mode_b_agreement").main(["--random-preset", "tiny", "--context", "200", "--prompts", "1",
+                                            "--rounds", "2", "--trees", "2,3,6", "--orders", "dfs",
+                                            "--group-sizes", "1", "6", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    one, six = (r["summary"] for r in res["results"])
+    assert [r["policy"]["group_size"] for r in res["results"]] == [1, 6]
+    assert one["rounds"] == six["rounds"] == 2
+    assert one["node_agreement"] == one["emitted_agreement"] == one["free_run_position_agreement"] == 1.0
+    assert one["tau_a"] == one["tau_b"] and one["max_logit_gap_median"] < 1e-5
+    assert six["max_logit_gap_median"] > 1e-3  # six queries route with the root's blocks
+    run = res["results"][1]["per_prompt"][0]["free_run"]
+    assert run["tokens"] == 1 + sum(res["results"][1]["per_prompt"][0]["paired"]["accepted_a"])
+    assert 0 <= run["first_divergence"] <= run["tokens"]
+
+
+def test_mode_b_agreement_names_a_bad_flag(capsys):
+    with pytest.raises(SystemExit):
+        _script("mode_b_agreement").main(["--random-preset", "tiny", "--rounds", "0"])
+    assert "--rounds 0 is invalid" in capsys.readouterr().err
