@@ -65,11 +65,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--trees", default="4,6,32;4,4,16", help="top_k,depth,budget triples separated by ;")
     ap.add_argument("--orders", nargs="+", default=["dfs", "bfs"], choices=["dfs", "bfs"])
     ap.add_argument("--group-sizes", type=int, nargs="+", default=[4])
-    ap.add_argument("--schedule", type=int, default=1, help="refresh period P shared by both modes")
+    ap.add_argument("--schedules", type=int, nargs="+", default=[1],
+                    help="refresh periods P (each shared by both modes)")
     ap.add_argument("--backend", default="reference", choices=["reference", "kernel"])
     ap.add_argument("--out", default="docs/results/mode_b_agreement_cpu.json")
     a = ap.parse_args(argv)
-    for flag, v, lo in (("--rounds", a.rounds, 1), ("--prompts", a.prompts, 1), ("--schedule", a.schedule, 1)):
+    for flag, v, lo in (("--rounds", a.rounds, 1), ("--prompts", a.prompts, 1), ("--schedules", min(a.schedules), 1)):
         if v < lo:
             ap.error(f"{flag} {v} is invalid; accepted: an integer >= {lo}")
     try:
@@ -78,8 +79,8 @@ def main(argv=None) -> dict:
         ap.error(f"--trees: {e}")
     try:
         policies = [SSVPolicy(top_k=t.top_k, depth=t.depth, budget=t.budget, order=o, mode="B", group_size=C,
-                              schedule=a.schedule, precision="approx", backend=a.backend)
-                    for t in trees for o in a.orders for C in a.group_sizes]
+                              schedule=P, precision="approx", backend=a.backend)
+                    for t in trees for o in a.orders for C in a.group_sizes for P in a.schedules]
     except ValueError as e:
         ap.error(str(e))
 

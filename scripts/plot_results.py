@@ -31,6 +31,10 @@ Each figure is drawn only when all of its JSON files exist; one line per figure 
       python scripts/bench_e2e.py --checkpoint checkpoints/ssv-small --contexts 4096 8192 16384 \
           --out docs/results/e2e_h200.json
   End-to-end tokens/s and speedup over AR against context, per method.
+- mode_b.png              ablation_mode_b_h200.json, mode_b_agreement_cpu.json
+      python scripts/profile_policies.py ... --modes A B     (the first JSON's "command")
+      python scripts/mode_b_agreement.py --checkpoint checkpoints/ssv-small --context 4096 --prompts 3
+  Mode B over mode A end to end (tokens/s, tau), and its next-token agreement with mode A on identical trees.
 - round_stages.png        round_ops_15k_h200.json, verify_prologue_h200.json
       python scripts/round_ops.py capture ... then attribute (the JSONs' "command"s)
   The bundled round's device time per stage (`round_ops.STAGES`), one bar per traced capture.
@@ -417,6 +421,46 @@ def round_stages(*captures: dict):
     return fig
 
 
+def mode_b(e2e: dict, agree: dict):
+    """ablation_mode_b_h200.json (profile_policies.py --modes A B) and mode_b_agreement_cpu.json
+    (mode_b_agreement.py): left, mode B over mode A end to end on the H200 (tokens/s and tau) against the tree's
+    nodes, one colour per context bucket; right, next-token agreement with mode A on identical trees (all nodes;
+    the nodes whose argmax mode A emits) per policy, with the paired tau of both modes and where a free run of
+    mode B first parts from mode A's text."""
+    fig, (a_e2e, a_agr) = plt.subplots(1, 2, figsize=(10.4, 4.0), gridspec_kw=dict(width_ratios=[1, 1.4]))
+    for j, (bucket, rows) in enumerate(sorted(e2e["buckets"].items(), key=lambda kv: -int(kv[0].rstrip("K")))):
+        by = {(r["policy"]["mode"], r["policy"]["budget"]): r for r in rows}
+        nodes = sorted(b for m, b in by if m == "A" and ("B", b) in by)
+        for key, style in (("tokens_per_s", "o-"), ("tau", "s--")):
+            a_e2e.plot(nodes, [by["B", b][key] / by["A", b][key] for b in nodes], style, color=f"C{j}",
+                       label=f"{bucket}: {'tokens/s' if key == 'tokens_per_s' else 'τ'}")
+    a_e2e.axhline(1.0, color="grey", lw=0.8)
+    a_e2e.set_xticks(sorted({r["policy"]["budget"] for rows in e2e["buckets"].values() for r in rows}))
+    a_e2e.set(xlabel="tree nodes", ylabel="mode B / mode A", title="end to end, bundled model, H200 (P=4, C=4)")
+    a_e2e.grid(alpha=0.3)
+    a_e2e.legend(fontsize=7)
+    runs = [agree] + [v for v in agree.values() if isinstance(v, dict) and "results" in v]
+    res = [r for run in runs for r in run["results"]]
+    x = np.arange(len(res))
+    for off, key, label in ((-0.2, "node_agreement", "all tree nodes"),
+                            (0.2, "emitted_agreement", "nodes whose argmax mode A emits")):
+        a_agr.bar(x + off, [r["summary"][key] for r in res], 0.4, label=label)
+    for i, r in enumerate(res):
+        s = r["summary"]
+        a_agr.text(i, 0.905, f"τ {s['tau_a']:.2f}→{s['tau_b']:.2f}\nfree run parts\nat token "
+                   f"{int(np.median(s['free_run_first_divergence']))}", ha="center", fontsize=6.5,
+                   bbox=dict(facecolor="white", alpha=0.8, lw=0))
+    pol = lambda p: (f"{p['budget']} nodes\n{p['order']} P={p['schedule'] or 1}")  # noqa: E731
+    a_agr.set_xticks(x, [pol(r["policy"]) for r in res], fontsize=7)
+    a_agr.set(ylim=(0.9, 1.0), ylabel="next-token agreement with mode A",
+              title=f"identical trees, {agree['context']} tokens, CPU {agree['dtype']} (C=4)")
+    a_agr.grid(axis="y", alpha=0.3)
+    a_agr.legend(fontsize=7, loc="upper right")
+    fig.suptitle("mode B (shared index, class approx) against mode A (exact merge)")
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("roofline.png", roofline, ["kernels_h200.json"]),
     ("decode_layouts.png", decode_layouts, ["decode_profile_h200.json", "ar_8b_h200.json"]),
@@ -429,6 +473,7 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("planner_gain.png", planner_gain, ["e2e_h200.json"]),
     ("group_size_e2e.png", group_size_e2e, ["group_size_e2e_h200.json"]),
     ("round_stages.png", round_stages, ["round_ops_15k_h200.json", "verify_prologue_h200.json"]),
+    ("mode_b.png", mode_b, ["ablation_mode_b_h200.json", "mode_b_agreement_cpu.json"]),
 ]
 
 
