@@ -420,6 +420,30 @@ def test_generate_cli_with_a_draft_window_still_decodes_the_ar_tokens(capsys):
         main(["--random-preset", "tiny", "--draft-window", "-1"])
 
 
+def test_generate_cli_compares_against_ar_under_the_policys_schedule(capsys):
+    """Greedy SSV equals greedy AR under the same schedule, so --compare-ar decodes AR under the policy's (with
+    reuse layers the text differs from the refresh-every-layer model's on this random model)."""
+    from ssv_jax.generate_cli import main
+
+    assert main(["--random-preset", "tiny", "--prompt-tokens", "200", "--max-new-tokens", "24", "--top-k", "4",
+                 "--depth", "4", "--budget", "16", "--schedule", "2", "--compare-ar"]) == 0
+    out = capsys.readouterr().out
+    assert "AR NSA (schedule P=2)" in out and "greedy outputs identical: True" in out
+
+
+def test_compare_ar_says_where_outputs_part_and_what_that_means():
+    from ssv_jax.generate_cli import compare_outputs
+
+    exact = "tree(k=4, depth=4, budget=16) order=bfs mode=A C=4 schedule=R* class=exact backend=reference"
+    approx = exact.replace("mode=A", "mode=B").replace("class=exact", "class=approx")
+    assert compare_outputs([1, 2, 3], [1, 2, 3], 0.0, exact, "float32") == "greedy outputs identical: True"
+    assert "part at token 2; unexpected in float32" in compare_outputs([1, 2, 3], [1, 2, 4], 0.0, exact, "float32")
+    assert "part at token 2; possible in bfloat16" in compare_outputs([1, 2, 3], [1, 2, 4], 0.0, exact, "bfloat16")
+    assert "part at token 0; expected: mode B" in compare_outputs([1, 2, 3], [0, 2, 3], 0.0, approx, "float32")
+    assert "part at token 2;" in compare_outputs([1, 2, 3], [1, 2], 0.0, exact, "float32")  # one stopped early
+    assert compare_outputs([1, 2], [3, 4], 1.0, exact, "float32").startswith("sampled outputs are not compared")
+
+
 def test_generate_cli_names_a_bad_value_in_one_line_and_exits_2(capsys, tmp_path):
     """A bad flag value or a missing file ends ssv_generate.py with one `error:` line on stderr naming it
     and status 2, not a traceback."""
