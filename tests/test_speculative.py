@@ -213,3 +213,44 @@ def test_the_gpu_rounds_select_draft_tokens_with_the_kernel(monkeypatch):
     monkeypatch.setattr(spec, "_on_cpu", lambda: False)
     assert spec.draft_select() is top_n_log_softmax
     assert spec.draft_select(mesh=object()) is None
+
+
+def _ar_switching_schedules(switch_at: int, first, then, n_new: int) -> np.ndarray:
+    """Greedy AR NSA whose steps consume tokens 0 .. switch_at-2 under schedule `first` (the prompt too) and every
+    later token under `then`: the text that a generation switching schedules at token `switch_at` specifies."""
+    from ssv_jax import cache as kvc
+
+    cache = kvc.init_cache(CFG, 1, PROMPT.shape[1] + n_new + 64)
+    logits, _, cache = M.prefill(PARAMS, CFG, PROMPT, cache, chunk=64, schedule=first)
+    step = {s: jax.jit(lambda c, t, s=s: M.forward(PARAMS, CFG, t[:, None], c, schedule=s)) for s in (first, then)}
+    toks = [jnp.argmax(logits, -1).astype(jnp.int32)]
+    for j in range(n_new - 1):
+        logits, _, cache = step[first if j < switch_at - 1 else then](cache, toks[-1])
+        toks.append(jnp.argmax(logits[:, -1], -1).astype(jnp.int32))
+    return np.stack([np.asarray(t) for t in toks], 1)
+
+
+def test_a_planner_switch_of_schedule_continues_as_ar_switching_at_the_same_token():
+    """Within class strict a planner may switch to another refresh/reuse schedule between chunks. The committed
+    K/V keep the schedule they were computed under, so greedy SSV is greedy AR that switches schedules at the
+    token where the next chunk starts (DESIGN_NOTES, "Schedules and the prompt")."""
+    from ssv_jax.planner import Planner
+
+    every, reuse = SSVPolicy(**TREE, precision="strict"), SSVPolicy(**TREE, schedule=2, precision="strict")
+
+    class SwitchOnce(Planner):
+        def observe(self, policy, emitted, context):
+            return reuse
+
+    planner = SwitchOnce({b: [(every, None, None), (reuse, None, None)] for b in Planner.fixed(every).ranking})
+    new = 40
+    res = ssv_generate(MODEL, PROMPT, max_new_tokens=new, policy="auto", planner=planner, chunk_rounds=4,
+                       prefill_chunk=64)
+    trace = res.stats["policy_trace"]
+    assert [t["policy"] for t in trace[:2]] == [every.describe(), reuse.describe()]
+    switch_at = 1 + int(round(sum(res.stats["accepted_per_round"][: trace[0]["rounds"]])))
+    expected = _ar_switching_schedules(switch_at, None, 2, new)
+    np.testing.assert_array_equal(res.tokens, expected)
+    # and the switch matters here: AR under either schedule alone emits other text
+    assert not np.array_equal(expected, ar_generate((CFG, PARAMS), PROMPT, new, prefill_chunk=64).tokens)
+    assert not np.array_equal(expected, ar_generate((CFG, PARAMS), PROMPT, new, schedule=2, prefill_chunk=64).tokens)
