@@ -1,4 +1,5 @@
-"""`ar_generate`: greedy decoding is the argmax chain of the full-sequence model; sampling is seeded."""
+"""`ar_generate`: greedy decoding is the argmax chain of the full-sequence model, row by row in a batch; sampling is
+seeded."""
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,16 @@ def test_greedy_tokens_are_the_argmax_of_the_full_sequence_model():
     logits, _ = M.forward_train(PARAMS, CFG, jnp.asarray(seq[:, :-1]), q_chunk=seq.shape[1] - 1)
     np.testing.assert_array_equal(np.asarray(jnp.argmax(logits[:, PROMPT.shape[1] - 1:], -1)), out)
     assert res.stats["steps"] == 40 and res.stats["tokens_per_s"] > 0
+
+
+def test_a_batch_decodes_each_rows_own_greedy_tokens():
+    """Batch is a leading axis: two prompts decoded together give what each gives alone."""
+    prompts = np.concatenate([PROMPT, np.asarray(jax.random.randint(jax.random.key(6), (1, 90), 0, CFG.vocab_size))])
+    both = ar_generate((CFG, PARAMS), prompts, max_new_tokens=24, prefill_chunk=64).tokens
+    alone = np.concatenate([ar_generate((CFG, PARAMS), p[None], max_new_tokens=24, prefill_chunk=64).tokens
+                            for p in prompts])
+    np.testing.assert_array_equal(both, alone)
+    assert not np.array_equal(both[0], both[1])
 
 
 def test_a_generation_traces_one_decode_chunk_however_its_last_chunk_ends(monkeypatch):

@@ -1,6 +1,7 @@
 """`ssv_generate`: greedy SSV in class "exact" is token-for-token greedy AR NSA decoding, on the reference and
-kernel paths, for chains and trees, both flattening orders and several group sizes; long accepted paths; seeded
-sampling; mode B; input validation."""
+kernel paths, for chains and trees, both flattening orders and several group sizes; long accepted paths; batches
+whose rows accept different lengths or stop early; a planner's switch of schedule; seeded sampling; mode B; input
+validation."""
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +53,9 @@ def test_greedy_ssv_equals_greedy_ar_on_the_kernel_path(ar_tokens, shape, order,
 
 def _oracle_builder(sequence: np.ndarray, prompt_len: int):
     """A drafter that knows the target's greedy continuation: the first chain of the tree carries the true next
-    tokens, the other nodes random ones. Exercises long accepted paths (many commits of depth+1 tokens)."""
-    seq = jnp.asarray(sequence, jnp.int32)
+    tokens, the other nodes random ones. Exercises long accepted paths (many commits of depth+1 tokens).
+    `sequence` [n] serves every row, [B, n] one per row."""
+    seq = jnp.atleast_2d(jnp.asarray(sequence, jnp.int32))
     parents = jnp.asarray([-1, 0, 1, 2, 3, 0, 0, 0, 1, 1, 2, 2, 3, 5, 6, 8], jnp.int32)
     chain = jnp.asarray([0, 1, 2, 3, 4], jnp.int32)
 
@@ -62,7 +64,8 @@ def _oracle_builder(sequence: np.ndarray, prompt_len: int):
         k = jax.random.fold_in(jax.random.key(7), root_pos[0])
         toks = jax.random.randint(k, (B, 16), 0, CFG.vocab_size)
         rel = root_pos[:, None] - prompt_len + 1 + jnp.arange(4)[None]  # index into the generated sequence
-        true_next = jnp.take(seq, jnp.clip(rel, 0, seq.shape[0] - 1))
+        rows = jnp.broadcast_to(seq, (B, seq.shape[1]))
+        true_next = jnp.take_along_axis(rows, jnp.clip(rel, 0, seq.shape[1] - 1), axis=1)
         toks = toks.at[:, chain[1:]].set(true_next).at[:, 0].set(root_token)
         return tr.tree_from_parents(toks, jnp.broadcast_to(parents, (B, 16)), root_pos)
 
@@ -86,6 +89,26 @@ def test_long_accepted_paths_with_an_oracle_draft(ar_tokens, monkeypatch, fresh_
     assert res.stats["rounds"] <= NEW // 5 + 2
 
 
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_a_batch_whose_rows_accept_different_lengths_decodes_each_rows_greedy_ar_tokens(backend, monkeypatch,
+                                                                                         fresh_round_cache):
+    """Batch is a leading axis everywhere (DESIGN.md, "Generation"): each row commits its own accepted length
+    into its own cache slot, so a batch of two prompts emits each prompt's greedy AR tokens. The drafter knows row
+    0's continuation (5 tokens a round) and row 1's with every third token wrong (shorter, varying lengths)."""
+    new = 60
+    prompts = np.concatenate([PROMPT, np.asarray(jax.random.randint(jax.random.key(9), (1, 150), 0,
+                                                                     CFG.vocab_size))])
+    ar_rows = np.concatenate([ar_generate((CFG, PARAMS), p[None], new, prefill_chunk=64).tokens for p in prompts])
+    known = ar_rows.copy()
+    known[1, 2::3] = (known[1, 2::3] + 1) % CFG.vocab_size
+    monkeypatch.setattr(spec.tr, "build_tree", _oracle_builder(known, PROMPT.shape[1]))
+    res = ssv_generate(MODEL, prompts, max_new_tokens=new, policy=SSVPolicy(**TREE, order="dfs", backend=backend),
+                       prefill_chunk=64, chunk_rounds=8)
+    np.testing.assert_array_equal(res.tokens, ar_rows)
+    per_round = np.asarray(res.stats["accepted_per_round"])  # the batch mean: a fraction where rows differ
+    assert np.any(per_round != np.round(per_round))
+
+
 def test_sampling_is_seeded_and_deterministic():
     pol = SSVPolicy(**TREE)
     run = lambda seed: ssv_generate(MODEL, PROMPT[:, :100], max_new_tokens=40, policy=pol, temperature=1.0,
@@ -102,6 +125,20 @@ def test_eos_stops_the_row():
     res = ssv_generate(MODEL, PROMPT, max_new_tokens=30, policy=SSVPolicy(**TREE), eos_id=eos, prefill_chunk=64)
     np.testing.assert_array_equal(res.tokens[0, : first + 1], greedy[: first + 1])
     assert np.all(res.tokens[0, first:] == eos)
+
+
+def test_in_a_batch_a_finished_row_pads_with_eos_while_the_other_decodes_on():
+    """A row that emits EOS stops (its rounds accept nothing and re-commit only the root) and is padded with EOS;
+    the other row decodes its greedy AR tokens to the end."""
+    prompts = np.concatenate([PROMPT, np.asarray(jax.random.randint(jax.random.key(9), (1, 150), 0,
+                                                                     CFG.vocab_size))])
+    greedy = np.concatenate([ar_generate((CFG, PARAMS), p[None], 30, prefill_chunk=64).tokens for p in prompts])
+    eos = next(int(t) for t in greedy[0, 3:] if t not in greedy[1])  # ends row 0 only
+    first = int(np.argmax(greedy[0] == eos))
+    res = ssv_generate(MODEL, prompts, max_new_tokens=30, policy=SSVPolicy(**TREE), eos_id=eos, prefill_chunk=64)
+    np.testing.assert_array_equal(res.tokens[0, : first + 1], greedy[0, : first + 1])
+    assert first < 29 and np.all(res.tokens[0, first:] == eos)
+    np.testing.assert_array_equal(res.tokens[1], greedy[1])
 
 
 def test_mode_b_equals_mode_a_when_a_group_shares_its_indices():
