@@ -71,6 +71,7 @@ def next_pow2(x: int, minimum: int = 16) -> int:
 
 
 def is_pow2(x: int) -> bool:
+    """Whether x is a power of two (>= 1)."""
     return x >= 1 and (x & (x - 1)) == 0
 
 
@@ -105,6 +106,7 @@ def check_group_size(group_size, n_queries: int, g: int, max_rows: int = 256) ->
 
 
 def is_concrete(x) -> bool:
+    """Whether x is a concrete array (not a tracer), so its values can be checked on the host."""
     return not isinstance(x, jax.core.Tracer)
 
 
@@ -158,6 +160,7 @@ def unrows(o: jax.Array, n_queries: int, g: int) -> jax.Array:
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
+    """`x` padded at the end of `axis` to `size` with `fill`."""
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, pad, constant_values=fill)

@@ -168,6 +168,9 @@ def kernels(cfg, group_size: int):
 
 
 def bench_point(p: Point, group_size: int, names, n: int, rows: list, log):
+    """Time every kernel in `names` at one grid point (rotating `n` input sets inside one jit) and append
+    a row per kernel to `rows`: µs, unique bytes, GB/s against the copy ceiling, launches; a failure is recorded as
+    a row with `error`."""
     ks = kernels(p.cfg, group_size)
     rot = (p.q, p.sel, p.q_pos, p.gates)
     static = (p.k, p.v, p.kc, p.vc, p.kv_len)

@@ -55,6 +55,7 @@ def round_state(tc, dc, hidden: int):
 
 
 def random_draft_cache(dcfg, T, cap, key):
+    """A bf16 head cache of capacity `cap` filled with random K/V and holding `T` entries (batch 1)."""
     k1, k2 = jax.random.split(key)
     shp = (1, cap, dcfg.n_kv_heads, dcfg.head_dim)
     return dr.DraftCache(jax.random.normal(k1, shp, jnp.bfloat16), jax.random.normal(k2, shp, jnp.bfloat16),

@@ -25,11 +25,14 @@ from ssv_jax.policy import attention_for
 
 
 def rel_rms(x, y) -> float:
+    """Relative RMS error of x against y, in fp32."""
     x, y = x.astype(jnp.float32), y.astype(jnp.float32)
     return float(jnp.sqrt(jnp.mean((x - y) ** 2) / jnp.mean(y ** 2)))
 
 
 def commit_check(cfg, S: int) -> list:
+    """The in-place block commit against the XLA reference at positions around a block boundary: which
+    (layer, slot) pairs changed, and the max |difference| of the compressed K/V."""
     L, H, D, l = 4, cfg.n_kv_heads, cfg.head_dim, cfg.cmp_len
     ks = jax.random.split(jax.random.key(7), 8)
     K, V = (jax.random.normal(ks[i], (L, 1, S, H, D), jnp.bfloat16) for i in range(2))
@@ -55,6 +58,8 @@ def commit_check(cfg, S: int) -> list:
 
 
 def decode_check(cfg, S: int, T: int, steps: int) -> dict:
+    """`steps` decode steps of a 4-layer model with `cfg`'s layer shape from a random cache of `T` tokens,
+    on the reference and the kernel path: their logits' and caches' agreement."""
     c4 = cfg.replace(n_layers=4, feature_layers=(0, 2, 3))
     params = M.split_layers(jax.jit(lambda k: M.init_params(c4, k, jnp.bfloat16))(jax.random.key(0)))
     cache0 = kvc.random_cache(c4, 1, S, T, jax.random.key(3))

@@ -153,6 +153,8 @@ def attribute(hlo_text: str, trace: dict, depth: int = 2, keep=("ssv_jax/", "pal
 
 
 def capture(a) -> None:
+    """The `capture` subcommand (GPU): compile, time and trace the fixed policy's round (see the module
+    docstring)."""
     import jax
     import jax.numpy as jnp
 
@@ -289,6 +291,8 @@ def _level_ms(path: str, policy: str) -> float:
 
 
 def ceiling_cli(a) -> dict:
+    """The `ceiling` subcommand: what a target speed-up over AR would take, from the benchmark files; prints and
+    returns the bounds."""
     fig = _e2e_figures(a.e2e, a.context)
     policy = fig["policy"]
     with open(a.ops) as f:

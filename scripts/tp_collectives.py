@@ -140,10 +140,12 @@ def compile_text(cfg, dcfg, policy, phase, params, dparams, st, mesh) -> tuple[s
 
 # -- HLO text ----------------------------------------------------------------------------------------------------
 def shapes_of(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """[(dtype, dims)] of every array type in an HLO type string."""
     return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in SHAPE_RE.findall(type_text)]
 
 
 def nbytes(type_text: str) -> int:
+    """Bytes of every array in an HLO type string."""
     return sum(DTYPE_BYTES[dt] * int(np.prod(dims, dtype=np.int64)) for dt, dims in shapes_of(type_text))
 
 
@@ -423,6 +425,7 @@ def grouped(colls: list[dict]) -> list[dict]:
 
 
 def flops_by_function(dots: list[dict]) -> dict:
+    """Dot FLOPs summed per 'stage | function'."""
     out = collections.defaultdict(int)
     for d in dots:
         out[f"{d['stage']} | {d['function']}"] += d["flops"]
@@ -430,6 +433,7 @@ def flops_by_function(dots: list[dict]) -> dict:
 
 
 def signature(colls: list[dict]) -> list:
+    """The collectives as sorted (stage, kind, result type) triples, to compare two programs."""
     return sorted((c["stage"], c["kind"], c["result"]) for c in colls)
 
 
