@@ -23,7 +23,8 @@ import numpy as np
 from ssv_jax import model as M
 from ssv_jax import acceptance as acc
 from ssv_jax import speculative as sp
-from ssv_jax.config import ModelConfig
+from ssv_jax.config import ModelConfig, is_int
+from ssv_jax.generate import _check_options
 from ssv_jax.policy import SSVPolicy
 from pallas_kernels.overlap import overlap_gamma
 
@@ -117,12 +118,15 @@ def mode_b_agreement(model, prompt_ids, policy: SSVPolicy, rounds: int, *, prefi
     """
     if not isinstance(policy, SSVPolicy) or policy.mode != "B":
         raise ValueError(f"policy={policy!r} is invalid; accepted: an SSVPolicy with mode='B'")
-    if not (isinstance(rounds, int) and rounds >= 1):
+    if not (is_int(rounds) and rounds >= 1):
         raise ValueError(f"rounds={rounds!r} is invalid; accepted: an integer >= 1")
     m = sp.unpack_ssv(model)
+    _check_options(m.cfg, temperature=0.0, seed=0, eos_id=None, prefill_chunk=prefill_chunk, cache_dtype=None,
+                   mesh=None)
     policy_a = policy.replace(mode="A", precision="strict")
     for p in (policy, policy_a):
         p.check_for(m.cfg)
+    rounds = int(rounds)
     max_new = rounds * (policy.depth + 1) + 1
     prompt, tcache, dcache = sp.new_caches(m, prompt_ids, max_new, policy.depth, prefill_chunk)
     st = sp.first_state(m, prompt, tcache, dcache, jnp.int32(-2), max_new, policy.depth,

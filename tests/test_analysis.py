@@ -92,3 +92,5 @@ def test_mode_b_agreement_rejects_bad_input():
         analysis.mode_b_agreement(model, prompt, _mode_b(4).replace(mode="A", precision="exact"), rounds=2)
     with pytest.raises(ValueError, match="rounds=0"):
         analysis.mode_b_agreement(model, prompt, _mode_b(4), rounds=0)
+    with pytest.raises(ValueError, match="prefill_chunk=0 is invalid"):
+        analysis.mode_b_agreement(model, prompt, _mode_b(4), rounds=2, prefill_chunk=0)
