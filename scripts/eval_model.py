@@ -55,12 +55,10 @@ def perplexity(cfg, params, test: D.TokenizedSplit, seq_len: int, windows: int, 
         raise ValueError(f"--position-buckets={buckets!r} is invalid; accepted: an integer in [1, {seq_len - 1}]")
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"--seq-len={seq_len} is invalid; accepted: <= max_seq_len={cfg.max_seq_len}")
-    n_all = len(test) // seq_len
-    if n_all == 0:
+    if len(test) < seq_len:
         raise ValueError(f"--seq-len={seq_len} exceeds the {len(test)} held-out tokens; accepted: a shorter one")
-    n = n_all if windows == 0 else min(windows, n_all)
-    # Evenly spaced windows, so a partial evaluation is not just the first files in path order.
-    starts = np.linspace(0, n_all - 1, n).round().astype(int) * seq_len
+    starts, n_all = D.evenly_spaced_windows(test, seq_len, windows)
+    n = len(starts)
 
     edges = np.linspace(0, seq_len - 1, buckets + 1).round().astype(int)  # over the seq_len - 1 scored positions
 

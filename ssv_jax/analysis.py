@@ -9,7 +9,9 @@ Selections come from the model's own routing (`forward_train(..., with_selection
 `forward_tree(..., with_selection=True)`).
 
 Mode B (every query of a group routes with the group's first query's blocks) has no AR twin, so its cost is
-measured against mode A on the same trees (`mode_b_agreement`, DESIGN.md "Verification exactness").
+measured against mode A on the same trees (`mode_b_agreement`, DESIGN.md "Verification exactness"). A refresh/reuse
+schedule does have one, but it is another model variant than refresh-every-layer: `schedule_agreement` measures
+how far each schedule's next-token predictions are from the exact model's on the same text.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import numpy as np
 
 from ssv_jax import model as M
 from ssv_jax import acceptance as acc
+from ssv_jax import nsa
+from ssv_jax import schedule as sched
 from ssv_jax import speculative as sp
 from ssv_jax.config import ModelConfig, is_int
 from ssv_jax.generate import _check_options
@@ -141,4 +145,40 @@ def mode_b_agreement(model, prompt_ids, policy: SSVPolicy, rounds: int, *, prefi
         st, _ = _round_phase(m.params, m.draft_params, st, policy=policy_a, phase="all", **kw)
     out = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     out["tokens"] = np.asarray(st.out)[:, : int(np.max(np.asarray(st.n_out)))]
+    return out
+
+
+@partial(jax.jit, static_argnames=("cfg", "schedule"))
+def _next_token(params, tokens, *, cfg: ModelConfig, schedule):
+    """Teacher-forced argmax and NLL of each next token under `schedule`: ([B, S-1], [B, S-1])."""
+    logits, _ = M.forward_train(params, cfg, tokens, schedule=schedule, remat=False, q_chunk=tokens.shape[1],
+                                attn=nsa.nsa_attention_dense)
+    lp = jax.nn.log_softmax(logits[:, :-1], -1)
+    nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], -1)[..., 0]
+    return jnp.argmax(logits[:, :-1], -1), nll
+
+
+def schedule_agreement(params, cfg: ModelConfig, tokens, schedules) -> list[dict]:
+    """Each refresh/reuse schedule against the first (normally None: refresh every layer), teacher-forced on the
+    same text `tokens` [B, S] (full-sequence forward, `nsa.nsa_attention_dense`).
+
+    Returns one dict per schedule: `schedule` (canonical form), `nll_sum` and `tokens_scored` (its loss on the next
+    tokens), `agree` (positions whose argmax equals the first schedule's) and, counted from the first position
+    where routing chooses (past the n * l' tokens that every query selects whole), `agree_routed` and
+    `tokens_routed`. Where routing has nothing to choose, every schedule is the same model."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens of shape {tokens.shape} is invalid; accepted: [B, S] with S >= 2")
+    schedules = [sched.canonical(s) for s in schedules]
+    for s in schedules:
+        sched.parse(s, cfg.n_layers)  # a bad schedule fails before any forward
+    routed = slice(cfg.n_slc * cfg.slc_block, None)  # queries at t >= n * l' choose n of more blocks
+    out, first = [], None
+    for s in schedules:
+        best, nll = _next_token(params, tokens, cfg=cfg, schedule=s)
+        first = best if first is None else first
+        same = np.asarray(best == first)
+        out.append(dict(schedule=s, nll_sum=float(jnp.sum(nll)), tokens_scored=int(nll.size),
+                        agree=int(same.sum()), agree_routed=int(same[:, routed].sum()),
+                        tokens_routed=int(same[:, routed].size)))
     return out

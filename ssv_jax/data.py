@@ -224,6 +224,18 @@ def eval_batches(data: TokenizedSplit, batch: int, seq_len: int, max_batches: in
     return [loader.batch_at(i) for i in range(n)]
 
 
+def evenly_spaced_windows(data: TokenizedSplit, seq_len: int, windows: int) -> tuple[list[int], int]:
+    """Starts of `windows` (0 = all) evenly spaced, non-overlapping `seq_len` windows over the split's stream in
+    file order (so a partial evaluation is not just the first files), and how many windows exist."""
+    n_all = len(data) // seq_len
+    if n_all == 0:
+        raise ValueError(f"seq_len={seq_len} exceeds the split's {len(data)} tokens; accepted: a shorter one")
+    if not (isinstance(windows, int) and windows >= 0):
+        raise ValueError(f"windows={windows!r} is invalid; accepted: an integer >= 0 (0 = all {n_all})")
+    n = n_all if windows == 0 else min(windows, n_all)
+    return [int(i) * seq_len for i in np.linspace(0, n_all - 1, n).round().astype(int)], n_all
+
+
 # -- one-shot preparation ----------------------------------------------------------------------------------------
 def prepare_data(out_dir: str | Path, vocab_size: int = 8192, root: str | Path | None = None,
                  max_files: int | None = None, force: bool = False, show_progress: bool = True,

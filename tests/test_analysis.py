@@ -94,3 +94,31 @@ def test_mode_b_agreement_rejects_bad_input():
         analysis.mode_b_agreement(model, prompt, _mode_b(4), rounds=0)
     with pytest.raises(ValueError, match="prefill_chunk=0 is invalid"):
         analysis.mode_b_agreement(model, prompt, _mode_b(4), rounds=2, prefill_chunk=0)
+
+
+# Refresh/reuse schedules against refresh-every-layer, teacher-forced on the same text
+
+def test_schedules_agree_until_routing_has_blocks_to_choose_and_then_part():
+    cfg = get_config("tiny")  # n = 4 selected blocks of l' = 32: routing chooses from position 128 on
+    params = M.init_params(cfg, jax.random.key(0))
+    short = jax.random.randint(jax.random.key(1), (2, cfg.n_slc * cfg.slc_block), 0, cfg.vocab_size)
+    rows = analysis.schedule_agreement(params, cfg, short, [None, 2, "RUUU"])
+    assert [r["schedule"] for r in rows] == [None, 2, "RUUU"]
+    for r in rows:  # every query selects every block: reuse inherits the same selection, the same model
+        assert r["agree"] == r["tokens_scored"] == 2 * (short.shape[1] - 1) and r["tokens_routed"] == 0
+        assert r["nll_sum"] == rows[0]["nll_sum"]
+    long = jax.random.randint(jax.random.key(2), (2, 300), 0, cfg.vocab_size)
+    ref, p2 = analysis.schedule_agreement(params, cfg, long, [None, 2])
+    assert ref["agree"] == ref["tokens_scored"] and ref["agree_routed"] == ref["tokens_routed"] == 2 * (299 - 128)
+    assert p2["nll_sum"] != ref["nll_sum"]  # past position 128 the reuse layers' inherited blocks differ
+    assert p2["agree"] - p2["agree_routed"] == 2 * 128  # before it, P=2 still agrees everywhere
+    assert p2["agree_routed"] <= p2["tokens_routed"]
+
+
+def test_schedule_agreement_rejects_bad_input():
+    cfg = get_config("tiny")
+    params = M.init_params(cfg, jax.random.key(0))
+    with pytest.raises(ValueError, match="refresh period P=8 is invalid"):
+        analysis.schedule_agreement(params, cfg, np.zeros((1, 16), np.int32), [None, 8])
+    with pytest.raises(ValueError, match=r"accepted: \[B, S\]"):
+        analysis.schedule_agreement(params, cfg, np.zeros(16, np.int32), [None])

@@ -688,3 +688,22 @@ def test_mode_b_agreement_names_a_bad_flag(capsys):
     with pytest.raises(SystemExit):
         _script("mode_b_agreement").main(["--random-preset", "tiny", "--rounds", "0"])
     assert "--rounds 0 is invalid" in capsys.readouterr().err
+
+
+def test_schedule_quality_reports_each_period_against_the_first(tmp_path):
+    out = tmp_path / "sq.json"
+    res = _script("schedule_quality").main(["--random-preset", "tiny", "--seq-len", "200", "--windows", "2",
+                                            "--periods", "1", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    ref, p2 = res["rows"]
+    assert res["periods"] == [1, 2] and ref["schedule"] is None and p2["schedule"] == 2
+    assert ref["agreement"] == ref["agreement_routed"] == 1.0
+    assert ref["tokens_scored"] == p2["tokens_scored"] == 2 * 199 and ref["tokens_routed"] == 2 * (199 - 128)
+    assert 0 <= p2["agreement_routed"] <= 1 and len(p2["per_window_agreement_routed"]) == 2
+    assert ref["perplexity"] > 1 and p2["perplexity"] > 1
+
+
+def test_schedule_quality_names_a_bad_period(capsys):
+    with pytest.raises(SystemExit):
+        _script("schedule_quality").main(["--random-preset", "tiny", "--periods", "1", "8"])
+    assert "--periods: refresh period P=8 is invalid" in capsys.readouterr().err
