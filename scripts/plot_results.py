@@ -35,6 +35,9 @@ Each figure is drawn only when all of its JSON files exist; one line per figure 
       python scripts/profile_policies.py ... --modes A B     (the first JSON's "command")
       python scripts/mode_b_agreement.py --checkpoint checkpoints/ssv-small --context 4096 --prompts 3
   Mode B over mode A end to end (tokens/s, tau), and its next-token agreement with mode A on identical trees.
+- schedule_quality.png    schedule_quality_cpu.json
+      python scripts/schedule_quality.py --checkpoint checkpoints/ssv-small --seq-len 4096 --windows 8
+  Held-out perplexity and next-token agreement with refresh-every-layer against the refresh period P.
 - round_stages.png        round_ops_15k_h200.json, verify_prologue_h200.json
       python scripts/round_ops.py capture ... then attribute (the JSONs' "command"s)
   The bundled round's device time per stage (`round_ops.STAGES`), one bar per traced capture.
@@ -461,6 +464,36 @@ def mode_b(e2e: dict, agree: dict):
     return fig
 
 
+def schedule_quality(q: dict):
+    """schedule_quality_cpu.json (schedule_quality.py): per refresh period P, held-out perplexity and the share of
+    next-token argmaxes equal to refresh-every-layer's (all positions; positions where routing chooses, with the
+    per-window spread)."""
+    rows = q["rows"]
+    periods = q["periods"]
+    fig, (a_ppl, a_agr) = plt.subplots(1, 2, figsize=(9.6, 3.6))
+    ppl = [r["perplexity"] for r in rows]
+    a_ppl.plot(periods, ppl, "o-")
+    for p, v in zip(periods, ppl):
+        a_ppl.annotate(f"{v:.2f}", (p, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    # a ±3 % axis: a zoomed one would draw differences in the second decimal as a trend
+    a_ppl.set(xlabel="refresh period P", ylabel="held-out perplexity", ylim=(0.97 * min(ppl), 1.03 * max(ppl)))
+    a_agr.plot(periods, [r["agreement"] for r in rows], "o-", label="all positions")
+    a_agr.plot(periods, [r["agreement_routed"] for r in rows], "s--",
+               label=f"positions ≥ {q['routed_from_position']} (routing chooses)")
+    for p, r in zip(periods, rows):
+        a_agr.plot([p] * len(r["per_window_agreement_routed"]), r["per_window_agreement_routed"], ".", color="C1",
+                   alpha=0.4)
+    a_agr.set(xlabel="refresh period P", ylabel=f"next-token agreement with P={periods[0]}")
+    a_agr.legend(fontsize=7)
+    for ax in (a_ppl, a_agr):
+        _log_ticks(ax, periods)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"what reuse layers cost in model quality: {q['windows']} windows of {q['seq_len']} tokens "
+                 f"({q['source'].split(',')[0]}), {q['device']} {q['dtype']}")
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("roofline.png", roofline, ["kernels_h200.json"]),
     ("decode_layouts.png", decode_layouts, ["decode_profile_h200.json", "ar_8b_h200.json"]),
@@ -474,6 +507,7 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("group_size_e2e.png", group_size_e2e, ["group_size_e2e_h200.json"]),
     ("round_stages.png", round_stages, ["round_ops_15k_h200.json", "verify_prologue_h200.json"]),
     ("mode_b.png", mode_b, ["ablation_mode_b_h200.json", "mode_b_agreement_cpu.json"]),
+    ("schedule_quality.png", schedule_quality, ["schedule_quality_cpu.json"]),
 ]
 
 
