@@ -37,7 +37,8 @@ Each figure is drawn only when all of its JSON files exist; one line per figure 
   Mode B over mode A end to end (tokens/s, tau), and its next-token agreement with mode A on identical trees.
 - schedule_quality.png    schedule_quality_cpu.json
       python scripts/schedule_quality.py --checkpoint checkpoints/ssv-small --seq-len 4096 --windows 8
-  Held-out perplexity and next-token agreement with refresh-every-layer against the refresh period P.
+  Held-out perplexity and next-token agreement with refresh-every-layer against the refresh period P (4K
+  windows; 8K ones under `seq_len_8192`, the same command with --seq-len 8192 --windows 3 --periods 1 4 8).
 - round_stages.png        round_ops_15k_h200.json, verify_prologue_h200.json
       python scripts/round_ops.py capture ... then attribute (the JSONs' "command"s)
   The bundled round's device time per stage (`round_ops.STAGES`), one bar per traced capture.
@@ -465,31 +466,32 @@ def mode_b(e2e: dict, agree: dict):
 
 
 def schedule_quality(q: dict):
-    """schedule_quality_cpu.json (schedule_quality.py): per refresh period P, held-out perplexity and the share of
-    next-token argmaxes equal to refresh-every-layer's (all positions; positions where routing chooses, with the
-    per-window spread)."""
-    rows = q["rows"]
-    periods = q["periods"]
+    """schedule_quality_cpu.json (schedule_quality.py): per refresh period P, held-out perplexity relative to P=1
+    and the share of next-token argmaxes equal to refresh-every-layer's (all positions; positions where routing
+    chooses, with the per-window spread); one colour per window length (the top-level run and nested ones)."""
+    runs = [q] + [v for v in q.values() if isinstance(v, dict) and "rows" in v]
     fig, (a_ppl, a_agr) = plt.subplots(1, 2, figsize=(9.6, 3.6))
-    ppl = [r["perplexity"] for r in rows]
-    a_ppl.plot(periods, ppl, "o-")
-    for p, v in zip(periods, ppl):
-        a_ppl.annotate(f"{v:.2f}", (p, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
-    # a ±3 % axis: a zoomed one would draw differences in the second decimal as a trend
-    a_ppl.set(xlabel="refresh period P", ylabel="held-out perplexity", ylim=(0.97 * min(ppl), 1.03 * max(ppl)))
-    a_agr.plot(periods, [r["agreement"] for r in rows], "o-", label="all positions")
-    a_agr.plot(periods, [r["agreement_routed"] for r in rows], "s--",
-               label=f"positions ≥ {q['routed_from_position']} (routing chooses)")
-    for p, r in zip(periods, rows):
-        a_agr.plot([p] * len(r["per_window_agreement_routed"]), r["per_window_agreement_routed"], ".", color="C1",
-                   alpha=0.4)
-    a_agr.set(xlabel="refresh period P", ylabel=f"next-token agreement with P={periods[0]}")
-    a_agr.legend(fontsize=7)
+    for j, run in enumerate(runs):
+        rows, periods, c = run["rows"], run["periods"], f"C{j}"
+        what = f"{run['windows']} × {run['seq_len']} tokens"
+        ppl = [r["perplexity"] / rows[0]["perplexity"] for r in rows]
+        a_ppl.plot(periods, ppl, "o-", color=c, label=f"{what} (P=1: {rows[0]['perplexity']:.2f})")
+        a_agr.plot(periods, [r["agreement"] for r in rows], "o-", color=c, label=f"{what}, all positions")
+        a_agr.plot(periods, [r["agreement_routed"] for r in rows], "s--", color=c,
+                   label=f"{what}, positions ≥ {run['routed_from_position']}")
+        for p, r in zip(periods, rows):
+            a_agr.plot([p] * len(r["per_window_agreement_routed"]), r["per_window_agreement_routed"], ".", color=c,
+                       alpha=0.35)
+    # a ±2 % axis: a zoomed one would draw differences in the third digit as a trend
+    a_ppl.set(xlabel="refresh period P", ylabel="held-out perplexity / P=1's", ylim=(0.98, 1.02))
+    a_ppl.legend(fontsize=7)
+    a_agr.set(xlabel="refresh period P", ylabel="next-token agreement with P=1")
+    a_agr.legend(fontsize=6.5)
     for ax in (a_ppl, a_agr):
-        _log_ticks(ax, periods)
+        _log_ticks(ax, sorted({p for run in runs for p in run["periods"]}))
         ax.grid(alpha=0.3)
-    fig.suptitle(f"what reuse layers cost in model quality: {q['windows']} windows of {q['seq_len']} tokens "
-                 f"({q['source'].split(',')[0]}), {q['device']} {q['dtype']}")
+    fig.suptitle(f"what reuse layers cost in model quality ({q['source'].split(',')[0]}, {q['device']} "
+                 f"{q['dtype']})")
     fig.tight_layout()
     return fig
 
