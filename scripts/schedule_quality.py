@@ -33,16 +33,24 @@ from ssv_jax.generate_cli import add_dtype_arg, load_model
 
 
 def summarize(per_window: list[list[dict]]) -> list[dict]:
-    """Per schedule, summed over windows: perplexity, agreement over all and over routed positions."""
+    """Per schedule, over all windows: perplexity, agreement over all and over routed positions, and the first
+    schedule's argmax margin (nats) where this schedule's argmax differs, against its quartiles over every routed
+    position."""
+    routed = np.concatenate([w[0]["margins_routed"] for w in per_window])
+    q25, q50 = (float(x) for x in np.percentile(routed, [25, 50])) if routed.size else (None, None)
     rows = []
     for i, first in enumerate(per_window[0]):
         tot = {k: sum(w[i][k] for w in per_window) for k in ("nll_sum", "tokens_scored", "agree", "agree_routed",
                                                              "tokens_routed")}
+        changed = np.concatenate([w[i]["margins_changed"] for w in per_window])
         rows.append(dict(schedule=first["schedule"], perplexity=math.exp(tot["nll_sum"] / tot["tokens_scored"]),
                          agreement=tot["agree"] / tot["tokens_scored"],
                          agreement_routed=tot["agree_routed"] / max(tot["tokens_routed"], 1),
                          per_window_agreement_routed=[w[i]["agree_routed"] / max(w[i]["tokens_routed"], 1)
-                                                      for w in per_window], **tot))
+                                                      for w in per_window],
+                         margin_changed_median=float(np.median(changed)) if changed.size else None,
+                         margin_routed_median=q50, margin_routed_q25=q25,
+                         changed_below_routed_q25=float(np.mean(changed < q25)) if changed.size else None, **tot))
     return rows
 
 
@@ -99,8 +107,11 @@ def main(argv=None) -> dict:
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     for p, r in zip(a.periods, rows):
+        margin = "" if r["margin_changed_median"] is None else (
+            f"; where it differs, P={a.periods[0]}'s margin is {r['margin_changed_median']:.3f} nats (median; "
+            f"{r['margin_routed_median']:.3f} over all routed positions)")
         print(f"P={p}: perplexity {r['perplexity']:.2f}, next-token agreement with P={a.periods[0]} "
-              f"{r['agreement']:.4f} (routed positions {r['agreement_routed']:.4f})")
+              f"{r['agreement']:.4f} (routed positions {r['agreement_routed']:.4f}){margin}")
     return res
 
 

@@ -150,12 +150,14 @@ def mode_b_agreement(model, prompt_ids, policy: SSVPolicy, rounds: int, *, prefi
 
 @partial(jax.jit, static_argnames=("cfg", "schedule"))
 def _next_token(params, tokens, *, cfg: ModelConfig, schedule):
-    """Teacher-forced argmax and NLL of each next token under `schedule`: ([B, S-1], [B, S-1])."""
+    """Teacher-forced argmax, NLL of each next token, and the log-prob margin of the argmax over the runner-up
+    under `schedule`: three [B, S-1] arrays."""
     logits, _ = M.forward_train(params, cfg, tokens, schedule=schedule, remat=False, q_chunk=tokens.shape[1],
                                 attn=nsa.nsa_attention_dense)
     lp = jax.nn.log_softmax(logits[:, :-1], -1)
     nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], -1)[..., 0]
-    return jnp.argmax(logits[:, :-1], -1), nll
+    top2 = jax.lax.top_k(lp, 2)[0]
+    return jnp.argmax(lp, -1), nll, top2[..., 0] - top2[..., 1]
 
 
 def schedule_agreement(params, cfg: ModelConfig, tokens, schedules) -> list[dict]:
@@ -165,7 +167,10 @@ def schedule_agreement(params, cfg: ModelConfig, tokens, schedules) -> list[dict
     Returns one dict per schedule: `schedule` (canonical form), `nll_sum` and `tokens_scored` (its loss on the next
     tokens), `agree` (positions whose argmax equals the first schedule's) and, counted from the first position
     where routing chooses (past the n * l' tokens that every query selects whole), `agree_routed` and
-    `tokens_routed`. Where routing has nothing to choose, every schedule is the same model."""
+    `tokens_routed`. Where routing has nothing to choose, every schedule is the same model. `margins_changed`
+    (numpy) holds the first schedule's log-prob margin (argmax over runner-up) at the routed positions where this
+    schedule's argmax differs, and `margins_routed` (the first row only) that margin at every routed position:
+    how close to a tie the changed predictions were."""
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"tokens of shape {tokens.shape} is invalid; accepted: [B, S] with S >= 2")
@@ -173,12 +178,14 @@ def schedule_agreement(params, cfg: ModelConfig, tokens, schedules) -> list[dict
     for s in schedules:
         sched.parse(s, cfg.n_layers)  # a bad schedule fails before any forward
     routed = slice(cfg.n_slc * cfg.slc_block, None)  # queries at t >= n * l' choose n of more blocks
-    out, first = [], None
+    out, first, margin = [], None, None
     for s in schedules:
-        best, nll = _next_token(params, tokens, cfg=cfg, schedule=s)
-        first = best if first is None else first
+        best, nll, m = _next_token(params, tokens, cfg=cfg, schedule=s)
+        if first is None:
+            first, margin = best, np.asarray(m)[:, routed]
         same = np.asarray(best == first)
         out.append(dict(schedule=s, nll_sum=float(jnp.sum(nll)), tokens_scored=int(nll.size),
                         agree=int(same.sum()), agree_routed=int(same[:, routed].sum()),
-                        tokens_routed=int(same[:, routed].size)))
+                        tokens_routed=int(same[:, routed].size), margins_changed=margin[~same[:, routed]]))
+    out[0]["margins_routed"] = margin.ravel()
     return out

@@ -113,6 +113,11 @@ def test_schedules_agree_until_routing_has_blocks_to_choose_and_then_part():
     assert p2["nll_sum"] != ref["nll_sum"]  # past position 128 the reuse layers' inherited blocks differ
     assert p2["agree"] - p2["agree_routed"] == 2 * 128  # before it, P=2 still agrees everywhere
     assert p2["agree_routed"] <= p2["tokens_routed"]
+    # the reference's argmax margin, at every routed position and where P=2's argmax differs
+    assert ref["margins_routed"].shape == (ref["tokens_routed"],) and np.all(ref["margins_routed"] >= 0)
+    assert ref["margins_changed"].size == 0
+    assert p2["margins_changed"].size == p2["tokens_routed"] - p2["agree_routed"]
+    assert set(p2["margins_changed"].tolist()) <= set(ref["margins_routed"].tolist())
 
 
 def test_schedule_agreement_rejects_bad_input():

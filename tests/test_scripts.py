@@ -701,6 +701,10 @@ def test_schedule_quality_reports_each_period_against_the_first(tmp_path):
     assert ref["tokens_scored"] == p2["tokens_scored"] == 2 * 199 and ref["tokens_routed"] == 2 * (199 - 128)
     assert 0 <= p2["agreement_routed"] <= 1 and len(p2["per_window_agreement_routed"]) == 2
     assert ref["perplexity"] > 1 and p2["perplexity"] > 1
+    assert ref["margin_changed_median"] is None and ref["changed_below_routed_q25"] is None
+    assert 0 <= ref["margin_routed_q25"] <= ref["margin_routed_median"] == p2["margin_routed_median"]
+    if p2["agreement_routed"] < 1:
+        assert p2["margin_changed_median"] >= 0 and 0 <= p2["changed_below_routed_q25"] <= 1
 
 
 def test_schedule_quality_names_a_bad_period(capsys):
