@@ -267,12 +267,15 @@ def _run(a) -> int:
         where = ("" if schedule is None else f" (schedule P={schedule})" if isinstance(schedule, int)
                  else f" (schedule {schedule})")
         print(f"AR NSA{where}: {ar.stats['tokens_per_s']:.1f} tokens/s ({time.perf_counter() - t:.1f}s); "
-              + compare_outputs(ar.tokens[0].tolist(), out, a.temperature, s["policy"], str(m.params["embed"].dtype)))
+              + compare_outputs(ar.tokens[0].tolist(), out, a.temperature,
+                                approx=policy != "auto" and policy.precision == "approx",
+                                dtype=str(m.params["embed"].dtype)))
     return 0
 
 
-def compare_outputs(ar: list, ssv: list, temperature: float, policy: str, dtype: str) -> str:
-    """`--compare-ar`'s verdict: whether greedy SSV emitted greedy AR's tokens, and what a difference means."""
+def compare_outputs(ar: list, ssv: list, temperature: float, *, approx: bool, dtype: str) -> str:
+    """`--compare-ar`'s verdict: whether greedy SSV emitted greedy AR's tokens, and what a difference means
+    (`approx`: the policy is in precision class "approx", mode B)."""
     if temperature > 0:
         return ("sampled outputs are not compared token by token (acceptance is lossless in distribution, and the "
                 "two draw different random numbers)")
@@ -280,7 +283,7 @@ def compare_outputs(ar: list, ssv: list, temperature: float, policy: str, dtype:
     part = next((i for i in range(n) if ar[i] != ssv[i]), None if len(ar) == len(ssv) else n)
     if part is None:
         return "greedy outputs identical: True"
-    why = ("expected: mode B (class approx) is an approximation" if "class=approx" in policy else
+    why = ("expected: mode B (class approx) is an approximation" if approx else
            "unexpected in float32, where greedy SSV must equal greedy AR" if dtype == "float32" else
            f"possible in {dtype}, where the verify pass and the decode step round differently; exactness is "
            "specified in float32")

@@ -434,14 +434,14 @@ def test_generate_cli_compares_against_ar_under_the_policys_schedule(capsys):
 def test_compare_ar_says_where_outputs_part_and_what_that_means():
     from ssv_jax.generate_cli import compare_outputs
 
-    exact = "tree(k=4, depth=4, budget=16) order=bfs mode=A C=4 schedule=R* class=exact backend=reference"
-    approx = exact.replace("mode=A", "mode=B").replace("class=exact", "class=approx")
-    assert compare_outputs([1, 2, 3], [1, 2, 3], 0.0, exact, "float32") == "greedy outputs identical: True"
-    assert "part at token 2; unexpected in float32" in compare_outputs([1, 2, 3], [1, 2, 4], 0.0, exact, "float32")
-    assert "part at token 2; possible in bfloat16" in compare_outputs([1, 2, 3], [1, 2, 4], 0.0, exact, "bfloat16")
-    assert "part at token 0; expected: mode B" in compare_outputs([1, 2, 3], [0, 2, 3], 0.0, approx, "float32")
-    assert "part at token 2;" in compare_outputs([1, 2, 3], [1, 2], 0.0, exact, "float32")  # one stopped early
-    assert compare_outputs([1, 2], [3, 4], 1.0, exact, "float32").startswith("sampled outputs are not compared")
+    exact, approx = dict(approx=False, dtype="float32"), dict(approx=True, dtype="float32")
+    assert compare_outputs([1, 2, 3], [1, 2, 3], 0.0, **exact) == "greedy outputs identical: True"
+    assert "part at token 2; unexpected in float32" in compare_outputs([1, 2, 3], [1, 2, 4], 0.0, **exact)
+    assert "part at token 2; possible in bfloat16" in compare_outputs([1, 2, 3], [1, 2, 4], 0.0, approx=False,
+                                                                      dtype="bfloat16")
+    assert "part at token 0; expected: mode B" in compare_outputs([1, 2, 3], [0, 2, 3], 0.0, **approx)
+    assert "part at token 2;" in compare_outputs([1, 2, 3], [1, 2], 0.0, **exact)  # one stopped early
+    assert compare_outputs([1, 2], [3, 4], 1.0, **exact).startswith("sampled outputs are not compared")
 
 
 def test_generate_cli_names_a_bad_value_in_one_line_and_exits_2(capsys, tmp_path):
