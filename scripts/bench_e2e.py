@@ -200,10 +200,11 @@ def main(argv=None):
                 rows.append(dict(context=ctx, prompt=name, method=meth, tokens_per_s=s["tokens_per_s"],
                                  tau=s.get("tau", 1.0), rounds=s.get("rounds", s.get("steps")),
                                  decode_s=s["decode_s"], prefill_s=s["prefill_s"], policy=s.get("policy"),
-                                 switches=len(s.get("switches", [])),
-                                 # SSV: each chunk's rounds and host seconds, the planner's host µs per chunk
-                                 chunks=[dict(rounds=c["rounds"], seconds=c["seconds"])
-                                         for c in s.get("policy_trace", [])],
+                                 switches=len(s.get("switches", [])), switch_log=s.get("switches", []),
+                                 # SSV: each chunk's policy, rounds, tau and host seconds; the planner's host µs
+                                 # per chunk
+                                 chunks=[dict(policy=c["policy"], rounds=c["rounds"], tau=c["tau"],
+                                              seconds=c["seconds"]) for c in s.get("policy_trace", [])],
                                  planner_us_per_chunk=s.get("planner_us_per_chunk"),
                                  # the planner's prompt shares a file with its profile's (not a held-out test)
                                  **(dict(profiled=was_profiled(seen, name, ctx, a.new_tokens))
