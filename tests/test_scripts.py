@@ -195,7 +195,8 @@ def test_e2e_marks_a_prompt_profiled_where_its_files_ranked_a_bucket_the_generat
 def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     """`--profile PATH`: the planner starts from that ranking's best policy in the fixed policy's class, and the
     JSON names the file; a planner row whose prompt the profile was measured on says so (`profiled`). Without
-    the flag, the library's default profile is named."""
+    the flag, the library's default profile is named. Each row records its chunks (policy, rounds, tau) and the
+    planner's switch log, so that online switching can be read from the JSON."""
     from ssv_jax.generate_cli import RANDOM_PROMPT
     from ssv_jax.planner import DEFAULT_PROFILE, save_profile
     from ssv_jax.policy import SSVPolicy
@@ -214,6 +215,10 @@ def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     res = json.loads(out.read_text())
     assert res["planner_profile"] == str(prof)
     assert [(r["policy"], r["profiled"]) for r in res["rows"]] == [(best.describe(), True)]
+    (row,) = res["rows"]
+    assert row["chunks"] and {c["policy"] for c in row["chunks"]} == {best.describe()}
+    assert sum(c["rounds"] for c in row["chunks"]) == row["rounds"] and row["switch_log"] == []
+    assert all(1.0 <= c["tau"] <= best.depth + 1 for c in row["chunks"] if c["rounds"])
     _script("bench_e2e").main(args + ["--out", str(out)])
     assert json.loads(out.read_text())["planner_profile"] == DEFAULT_PROFILE
 
