@@ -35,10 +35,11 @@ Each figure is drawn only when all of its JSON files exist; one line per figure 
       python scripts/profile_policies.py ... --modes A B     (the first JSON's "command")
       python scripts/mode_b_agreement.py --checkpoint checkpoints/ssv-small --context 4096 --prompts 3
   Mode B over mode A end to end (tokens/s, tau), and its next-token agreement with mode A on identical trees.
-- schedule_quality.png    schedule_quality_cpu.json
+- schedule_quality.png    schedule_quality_cpu.json, schedule_quality_16k_h100.json
       python scripts/schedule_quality.py --checkpoint checkpoints/ssv-small --seq-len 4096 --windows 8
   Held-out perplexity and next-token agreement with refresh-every-layer against the refresh period P (4K
-  windows; 8K ones under `seq_len_8192`, the same command with --seq-len 8192 --windows 3 --periods 1 4 8).
+  windows; 8K ones under `seq_len_8192`, the same command with --seq-len 8192 --windows 3 --periods 1 4 8; 16K
+  ones on the GPU in bf16, the second JSON's "command").
 - round_stages.png        round_ops_15k_h200.json, verify_prologue_h200.json
       python scripts/round_ops.py capture ... then attribute (the JSONs' "command"s)
   The bundled round's device time per stage (`round_ops.STAGES`), one bar per traced capture.
@@ -465,15 +466,17 @@ def mode_b(e2e: dict, agree: dict):
     return fig
 
 
-def schedule_quality(q: dict):
-    """schedule_quality_cpu.json (schedule_quality.py): per refresh period P, held-out perplexity relative to P=1
-    and the share of next-token argmaxes equal to refresh-every-layer's (all positions; positions where routing
-    chooses, with the per-window spread); one colour per window length (the top-level run and nested ones)."""
-    runs = [q] + [v for v in q.values() if isinstance(v, dict) and "rows" in v]
+def schedule_quality(q: dict, gpu: dict):
+    """schedule_quality_cpu.json and schedule_quality_16k_h100.json (schedule_quality.py): per refresh period P,
+    held-out perplexity relative to P=1 and the share of next-token argmaxes equal to refresh-every-layer's (all
+    positions; positions where routing chooses, with the per-window spread); one colour per window length (the
+    CPU file's top-level run and nested ones, then the GPU file's bf16 run)."""
+    runs = [q] + [v for v in q.values() if isinstance(v, dict) and "rows" in v] + [gpu["bfloat16"]]
     fig, (a_ppl, a_agr) = plt.subplots(1, 2, figsize=(9.6, 3.6))
     for j, run in enumerate(runs):
         rows, periods, c = run["rows"], run["periods"], f"C{j}"
         what = f"{run['windows']} × {run['seq_len']} tokens"
+        what += f", {run['dtype']} GPU" if run["device"] != "cpu" else ""
         ppl = [r["perplexity"] / rows[0]["perplexity"] for r in rows]
         a_ppl.plot(periods, ppl, "o-", color=c, label=f"{what} (P=1: {rows[0]['perplexity']:.2f})")
         a_agr.plot(periods, [r["agreement"] for r in rows], "o-", color=c, label=f"{what}, all positions")
@@ -490,8 +493,8 @@ def schedule_quality(q: dict):
     for ax in (a_ppl, a_agr):
         _log_ticks(ax, sorted({p for run in runs for p in run["periods"]}))
         ax.grid(alpha=0.3)
-    fig.suptitle(f"what reuse layers cost in model quality ({q['source'].split(',')[0]}, {q['device']} "
-                 f"{q['dtype']})")
+    fig.suptitle(f"what reuse layers cost in model quality ({q['source'].split(',')[0]}; {q['device']} "
+                 f"{q['dtype']} unless marked GPU)")
     fig.tight_layout()
     return fig
 
@@ -509,7 +512,7 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("group_size_e2e.png", group_size_e2e, ["group_size_e2e_h200.json"]),
     ("round_stages.png", round_stages, ["round_ops_15k_h200.json", "verify_prologue_h200.json"]),
     ("mode_b.png", mode_b, ["ablation_mode_b_h200.json", "mode_b_agreement_cpu.json"]),
-    ("schedule_quality.png", schedule_quality, ["schedule_quality_cpu.json"]),
+    ("schedule_quality.png", schedule_quality, ["schedule_quality_cpu.json", "schedule_quality_16k_h100.json"]),
 ]
 
 
