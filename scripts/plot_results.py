@@ -34,7 +34,8 @@ Each figure is drawn only when all of its JSON files exist; one line per figure 
 - mode_b.png              ablation_mode_b_h200.json, mode_b_agreement_cpu.json
       python scripts/profile_policies.py ... --modes A B     (the first JSON's "command")
       python scripts/mode_b_agreement.py --checkpoint checkpoints/ssv-small --context 4096 --prompts 3
-  Mode B over mode A end to end (tokens/s, tau), and its next-token agreement with mode A on identical trees.
+  Mode B over mode A end to end (tokens/s, tau), and its next-token agreement with mode A on identical trees
+  (4K; 8K and 15.7K under `context_8192` and `context_15712`, the same command with the JSON's "command").
 - schedule_quality.png    schedule_quality_cpu.json, schedule_quality_16k_h100.json
       python scripts/schedule_quality.py --checkpoint checkpoints/ssv-small --seq-len 4096 --windows 8
   Held-out perplexity and next-token agreement with refresh-every-layer against the refresh period P (4K
@@ -430,9 +431,9 @@ def mode_b(e2e: dict, agree: dict):
     """ablation_mode_b_h200.json (profile_policies.py --modes A B) and mode_b_agreement_cpu.json
     (mode_b_agreement.py): left, mode B over mode A end to end on the H200 (tokens/s and tau) against the tree's
     nodes, one colour per context bucket; right, next-token agreement with mode A on identical trees (all nodes;
-    the nodes whose argmax mode A emits) per policy, with the paired tau of both modes and where a free run of
-    mode B first parts from mode A's text."""
-    fig, (a_e2e, a_agr) = plt.subplots(1, 2, figsize=(10.4, 4.0), gridspec_kw=dict(width_ratios=[1, 1.4]))
+    the nodes whose argmax mode A emits) per context and policy (the top-level run and the nested ones), with the
+    paired tau of both modes and where a free run of mode B first parts from mode A's text."""
+    fig, (a_e2e, a_agr) = plt.subplots(1, 2, figsize=(12.4, 4.4), gridspec_kw=dict(width_ratios=[1, 1.9]))
     for j, (bucket, rows) in enumerate(sorted(e2e["buckets"].items(), key=lambda kv: -int(kv[0].rstrip("K")))):
         by = {(r["policy"]["mode"], r["policy"]["budget"]): r for r in rows}
         nodes = sorted(b for m, b in by if m == "A" and ("B", b) in by)
@@ -445,7 +446,7 @@ def mode_b(e2e: dict, agree: dict):
     a_e2e.grid(alpha=0.3)
     a_e2e.legend(fontsize=7)
     runs = [agree] + [v for v in agree.values() if isinstance(v, dict) and "results" in v]
-    res = [r for run in runs for r in run["results"]]
+    res = [dict(r, context=run["context"]) for run in runs for r in run["results"]]
     x = np.arange(len(res))
     for off, key, label in ((-0.2, "node_agreement", "all tree nodes"),
                             (0.2, "emitted_agreement", "nodes whose argmax mode A emits")):
@@ -455,12 +456,13 @@ def mode_b(e2e: dict, agree: dict):
         a_agr.text(i, 0.905, f"τ {s['tau_a']:.2f}→{s['tau_b']:.2f}\nfree run parts\nat token "
                    f"{int(np.median(s['free_run_first_divergence']))}", ha="center", fontsize=6.5,
                    bbox=dict(facecolor="white", alpha=0.8, lw=0))
-    pol = lambda p: (f"{p['budget']} nodes\n{p['order']} P={p['schedule'] or 1}")  # noqa: E731
-    a_agr.set_xticks(x, [pol(r["policy"]) for r in res], fontsize=7)
+    pol = lambda r: (f"{r['context'] / 1024:.3g}K, {r['policy']['budget']} nodes\n"  # noqa: E731
+                     f"{r['policy']['order']} P={r['policy']['schedule'] or 1}")
+    a_agr.set_xticks(x, [pol(r) for r in res], fontsize=6.5, rotation=30)
     a_agr.set(ylim=(0.9, 1.0), ylabel="next-token agreement with mode A",
-              title=f"identical trees, {agree['context']} tokens, CPU {agree['dtype']} (C=4)")
+              title=f"identical trees, CPU {agree['dtype']} (C=4)")
     a_agr.grid(axis="y", alpha=0.3)
-    a_agr.legend(fontsize=7, loc="upper right")
+    a_agr.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
     fig.suptitle("mode B (shared index, class approx) against mode A (exact merge)")
     fig.tight_layout()
     return fig
