@@ -31,6 +31,8 @@ Each figure is drawn only when all of its JSON files exist; one line per figure 
       python scripts/bench_e2e.py --checkpoint checkpoints/ssv-small --contexts 4096 8192 16384 \
           --out docs/results/e2e_h200.json
   End-to-end tokens/s and speedup over AR against context, per method.
+- e2e_speedup_h100.png    e2e_s41_h100.json            (its "commands": 15712, then 8192 4096)
+  The same with the current head on one H100 lease, the planner included at every context.
 - mode_b.png              ablation_mode_b_h200.json, mode_b_agreement_cpu.json
       python scripts/profile_policies.py ... --modes A B     (the first JSON's "command")
       python scripts/mode_b_agreement.py --checkpoint checkpoints/ssv-small --context 4096 --prompts 3
@@ -277,6 +279,15 @@ def e2e_speedup(data: dict):
     return fig
 
 
+def e2e_speedup_current_head(data: dict):
+    """e2e_s41_h100.json: `e2e_speedup` over the session-41 runs with the current head on one H100 lease (15712,
+    then 8192 and 4096, every method)."""
+    parts = [data["runs"][k] for k in ("15712", "8192_4096")]
+    run = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
+               summary={k: v for p in parts for k, v in p["summary"].items()})
+    return e2e_speedup(run)
+
+
 def group_size_ablation(kern: dict):
     """kernels_h200.json: kernel time vs group size C at 64K, per tree size Q (the C sweep of bench_kernels)."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=False)
@@ -508,6 +519,7 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("verify_split.png", verify_split, ["verify_8b_h200.json"]),
     ("overlap_heatmap.png", overlap_heatmap, ["layout_stability.json"]),
     ("e2e_speedup.png", e2e_speedup, ["e2e_h200.json"]),
+    ("e2e_speedup_h100.png", e2e_speedup_current_head, ["e2e_s41_h100.json"]),
     ("group_size_ablation.png", group_size_ablation, ["kernels_h200.json"]),
     ("routing_share.png", routing_share, ["kernels_h200.json"]),
     ("planner_gain.png", planner_gain, ["e2e_h200.json"]),
