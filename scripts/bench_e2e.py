@@ -14,10 +14,11 @@ prompt with its median, mean and range, and the same over the prompts its profil
 context bucket the generation can use).
 
 Round time split (issue #8; off with `--no-split`): after each context's methods, one SSV round of the fixed
-policy from the first prompt's prefilled state is split into draft, routing, attention (the NSA branches), the rest
-of the target (projections, MLP, norms, lm_head) and accept+commit. The split is a model from differences of timed
-jitted stages and of one layer's refresh vs reuse attention call (`ssv_jax.timing.SPLIT_METHOD`); the JSON's
-`split` holds one row per context, with the tau of that prompt's "ssv" run.
+policy from the prefilled state of each of the first `--split-prompts` prompts (default 1) is split into draft,
+routing, attention (the NSA branches), the rest of the target (projections, MLP, norms, lm_head) and
+accept+commit. The split is a model from differences of timed jitted stages and of one layer's refresh vs reuse
+attention call (`ssv_jax.timing.SPLIT_METHOD`); the JSON's `split` holds one row per context and prompt, with the
+tau of that prompt's "ssv" run, and `split_median` each part's median over a context's rows.
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ def planner_gain(rows) -> dict:
     return res
 
 
+def split_median(split) -> dict:
+    """Per context: each time of the split rows (ms), the round included, as its median over the prompts split
+    (the parts' medians need not sum to the round's)."""
+    out = {}
+    for ctx in dict.fromkeys(r["context"] for r in split):
+        sel = [r for r in split if r["context"] == ctx]
+        out[str(ctx)] = dict(prompts=len(sel), **{k: float(np.median([r[k] for r in sel]))
+                                                  for k in timing.SPLIT_PARTS + ("round_ms",)})
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
@@ -106,6 +118,9 @@ def main(argv=None):
                          "every layer, precision 'exact'; otherwise 'strict')")
     ap.add_argument("--methods", nargs="+", default=["ar", "naive", "ssv", "ssv_planner", "dense_sd"])
     ap.add_argument("--no-split", action="store_true", help="skip the per-context round time split")
+    ap.add_argument("--split-prompts", type=int, default=1,
+                    help="split the round from the first N prompts of each context (default 1); the JSON's "
+                         "`split_median` holds each part's median over them")
     ap.add_argument("--chunk-rounds", type=int, default=32, help="SSV rounds per jitted call (ssv_generate)")
     ap.add_argument("--chunk-steps", type=int, default=128, help="AR steps per jitted call (ar_generate)")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per method and prompt (the median is kept)")
@@ -118,6 +133,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.reps < 1:
         raise SystemExit(f"--reps={a.reps} is invalid; accepted: an integer >= 1")
+    if not 1 <= a.split_prompts <= a.prompts:
+        raise SystemExit(f"--split-prompts={a.split_prompts} is invalid; accepted: an integer in [1, --prompts="
+                         f"{a.prompts}]")
 
     if a.draft_select == "reference":  # before any round is traced: every SSV method drafts with XLA's TopK
         speculative.draft_select = lambda *args, **kw: None
@@ -185,7 +203,7 @@ def main(argv=None):
                    timing=f"host wall clock of the decode loop after a compile run, the median of {a.reps} runs; "
                           "prefill excluded")
         if not a.no_split:
-            res.update(split=split, split_timing=timing.SPLIT_METHOD)
+            res.update(split=split, split_median=split_median(split), split_timing=timing.SPLIT_METHOD)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)
         return summary
@@ -211,10 +229,13 @@ def main(argv=None):
                                     if meth == "ssv_planner" else {})))
             summary = write(contexts[: i + 1])  # after each prompt, so that a run cut off keeps its prompts
         if not a.no_split:
-            split.append(split_row(ctx, *ps[0]))
+            split.extend(split_row(ctx, *named) for named in ps[: a.split_prompts])
         summary = write(contexts[: i + 1])
     for key, v in summary.items():
         print(f"{key:28s} {v['tokens_per_s']:9.1f} tok/s  x{v['speedup_vs_ar']:.2f} vs AR  tau {v['tau']:.2f}")
+    for ctx, med in ({} if a.no_split or a.split_prompts == 1 else split_median(split)).items():
+        parts = " + ".join(f"{key[:-3]} {med[key]:.3f}" for key in timing.SPLIT_PARTS)
+        print(f"{ctx} split ms, median over {med['prompts']} prompts: {parts}; round {med['round_ms']:.3f}")
     for ctx, g in planner_gain(rows).items():
         for label, h in (("", g), (" (prompts the profile did not use)", g.get("disjoint"))):
             if h:

@@ -223,6 +223,27 @@ def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     assert json.loads(out.read_text())["planner_profile"] == DEFAULT_PROFILE
 
 
+def test_e2e_bench_splits_the_round_of_several_prompts_and_takes_their_median(tmp_path, capsys):
+    """`--split-prompts N` splits the round from each of a context's first N prompts (one row each, in prompt
+    order) and `split_median` holds each time's median over those rows; N outside [1, --prompts] is refused."""
+    args = ["--random-preset", "tiny", "--contexts", "128", "--prompts", "2", "--new-tokens", "4", "--tree", "2",
+            "2", "4", "--backend", "reference", "--methods", "ssv", "--reps", "1"]
+    out = tmp_path / "e2e.json"
+    for bad in ("0", "3"):
+        with pytest.raises(SystemExit, match=f"--split-prompts={bad} is invalid; accepted: an integer in \\[1, "):
+            _script("bench_e2e").main(args + ["--split-prompts", bad, "--out", str(out)])
+    _script("bench_e2e").main(args + ["--split-prompts", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    names = [r["prompt"] for r in res["rows"]]
+    assert len(names) == 2 and [r["prompt"] for r in res["split"]] == names
+    assert [r["tau"] for r in res["split"]] == [r["tau"] for r in res["rows"]]
+    (med,) = res["split_median"].values()
+    assert med["prompts"] == 2
+    for key in ("draft_ms", "routing_ms", "attention_ms", "rest_of_target_ms", "accept_commit_ms", "round_ms"):
+        assert med[key] == pytest.approx(np.median([r[key] for r in res["split"]]))
+    assert "split ms, median over 2 prompts" in capsys.readouterr().out
+
+
 def test_e2e_bench_clamps_contexts_and_splits_the_fixed_policys_round(tmp_path, capsys):
     """Contexts beyond the model run at the longest it handles. The round split of the fixed policy (schedule
     P=2: RURU) has one row for the context: finite parts that sum to the round, the schedule's refresh count, and
