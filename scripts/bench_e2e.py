@@ -5,8 +5,10 @@
     python scripts/bench_e2e.py --random-preset tiny --contexts 256 --new-tokens 16 --out /tmp/e2e.json
 
 Methods: AR NSA; naive SD+NSA (per-query kernel, no grouping, no reuse); SSV with a fixed policy (the best
-fixed one given, kernel path; `--tree`, and `--schedule`, which the baselines do not take); SSV with the planner
-(policy "auto", choosing within the fixed policy's precision class); dense EAGLE-3 SD (the same weights with dense
+fixed one given, kernel path; `--tree`, and `--schedule`, which the baselines do not take; or, with `--fixed
+profile`, the one the planner's profile ranks best over all its buckets, `planner.best_fixed_policy`, whose tree the
+baselines then take); SSV with the planner (policy "auto", choosing within the fixed policy's precision class, or
+within "strict" with `--fixed profile`, the class that choice is made in); dense EAGLE-3 SD (the same weights with dense
 attention). Each method runs once per prompt to compile, then `--reps` times timed (the median run counts);
 tokens/s excludes prefill. `planner_gain` in the JSON holds the planner's tokens/s over the fixed policy's per
 prompt with its median, mean and range, and the same over the prompts its profile was not measured on
@@ -35,7 +37,7 @@ from ssv_jax import model as M
 from ssv_jax import speculative, timing
 from ssv_jax.generate import ar_generate
 from ssv_jax.generate_cli import add_dtype_arg, load_model, prompt_files, prompts
-from ssv_jax.planner import DEFAULT_PROFILE, Planner, ProfileError, bucket_of, load_profile
+from ssv_jax.planner import DEFAULT_PROFILE, Planner, ProfileError, best_fixed_policy, bucket_of, load_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.schedule import parse
 from ssv_jax.speculative import ssv_generate
@@ -110,7 +112,11 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--tree", type=int, nargs=3, default=[4, 5, 16], metavar=("TOP_K", "DEPTH", "BUDGET"))
+    ap.add_argument("--fixed", choices=["args", "profile"], default="args",
+                    help="the fixed policy: from --tree and --schedule (default), or the best fixed policy of the "
+                         "--profile (planner.best_fixed_policy: the one whose worst bucket loses least)")
+    ap.add_argument("--tree", type=int, nargs=3, default=None, metavar=("TOP_K", "DEPTH", "BUDGET"),
+                    help="the fixed policy's tree (default 4 5 16)")
     ap.add_argument("--backend", default="kernel", choices=["kernel", "reference"],
                     help="the SSV attention path (naive SD+NSA always uses the per-query kernel)")
     ap.add_argument("--schedule", type=schedule_arg, default=None,
@@ -131,6 +137,9 @@ def main(argv=None):
                     help="the planner's ranking JSON (default: the library's, docs/results/policy_profile.json)")
     ap.add_argument("--out", default="docs/results/e2e_h200.json")
     a = ap.parse_args(argv)
+    if a.fixed == "profile" and (a.tree is not None or a.schedule is not None):
+        raise SystemExit(f"--fixed profile takes the fixed policy from the profile; --tree={a.tree} --schedule="
+                         f"{a.schedule} would be ignored; accepted: --fixed args with them, or neither")
     if a.reps < 1:
         raise SystemExit(f"--reps={a.reps} is invalid; accepted: an integer >= 1")
     if not 1 <= a.split_prompts <= a.prompts:
@@ -141,10 +150,22 @@ def main(argv=None):
         speculative.draft_select = lambda *args, **kw: None
     m, tok, desc = load_model(argparse.Namespace(random_preset=a.random_preset, checkpoint=a.checkpoint, seed=0,
                                                  dtype=a.dtype))
-    k, d, b = a.tree
-    exact = a.schedule is None or all(parse(a.schedule, m.cfg.n_layers))
-    fixed = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend, schedule=a.schedule,
-                      precision="exact" if exact else "strict")
+    fixed_scores = None
+    if a.fixed == "profile":
+        try:
+            prof = load_profile(a.profile or DEFAULT_PROFILE)
+            if prof.get("model") not in (None, m.cfg.name):
+                raise ProfileError(f"the profile is for model {prof.get('model')!r}, not {m.cfg.name!r}")
+            fixed, fixed_scores = best_fixed_policy(prof, "strict")
+        except ProfileError as e:
+            raise SystemExit(f"--fixed profile: {e}") from e
+        planner_class = "strict"
+    else:
+        k, d, b = a.tree or (4, 5, 16)
+        exact = a.schedule is None or all(parse(a.schedule, m.cfg.n_layers))
+        fixed = SSVPolicy(top_k=k, depth=d, budget=b, order="dfs", group_size=4, backend=a.backend,
+                          schedule=a.schedule, precision="exact" if exact else "strict")
+        planner_class = fixed.precision
     fixed.check_for(m.cfg)
     base = fixed.replace(schedule=None, precision="exact")  # the baselines never reuse a selection
     ssv = lambda p, policy, **kw: ssv_generate(m, p, max_new_tokens=a.new_tokens, policy=policy,
@@ -154,7 +175,7 @@ def main(argv=None):
         "naive": lambda p: ssv(p, base.replace(backend="naive")),
         "ssv": lambda p: ssv(p, fixed),
         # the planner chooses within the fixed policy's precision class, so that both compete on the same terms
-        "ssv_planner": lambda p: ssv(p, "auto", planner=Planner.for_policy("auto", m.cfg, precision=fixed.precision,
+        "ssv_planner": lambda p: ssv(p, "auto", planner=Planner.for_policy("auto", m.cfg, precision=planner_class,
                                                                            profile_path=a.profile)),
         "dense_sd": lambda p: ssv(p, base.replace(backend="dense")),
     }
@@ -196,7 +217,8 @@ def main(argv=None):
         res = dict(benchmark="e2e", model=desc, device=jax.devices()[0].device_kind, host=platform.node(),
                    jax=jax.__version__, dtype=str(jax.tree.leaves(m.params)[0].dtype),
                    draft_window=m.draft_cfg.window if m.draft_cfg is not None else None,
-                   new_tokens=a.new_tokens, fixed_policy=fixed.describe(), contexts=done,
+                   new_tokens=a.new_tokens, fixed_policy=fixed.describe(), fixed_from_profile=fixed_scores,
+                   contexts=done,
                    chunk_rounds=a.chunk_rounds, chunk_steps=a.chunk_steps, draft_select=a.draft_select,
                    planner_profile=a.profile or DEFAULT_PROFILE,
                    rows=rows, summary=summary, planner_gain=planner_gain(rows),

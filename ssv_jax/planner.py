@@ -161,6 +161,30 @@ def _ranking(prof: dict, precision: str, platform: str | None) -> dict:
     return ranking
 
 
+def best_fixed_policy(prof: dict, precision: str = "strict", platform: str | None = None):
+    """The one policy to run at every context of a checked profile: the best fixed policy, the planner's baseline.
+
+    Eligible are the policies profiled in every bucket within `precision` (exact < strict < approx; kernel
+    policies run on the reference path off the GPU, as in `Planner.from_profile`). Each is scored by its
+    tokens/s over its bucket's best, and the winner is the policy whose worst bucket loses least; a tie goes to
+    the higher mean over buckets, then to the better rank in the first bucket. Returns (policy, {bucket: score}).
+    Raises `ProfileError` when no policy is profiled in every bucket."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is invalid; accepted: {PRECISIONS}")
+    check_profile(prof)
+    ranking = _ranking(prof, precision, platform)
+    best = {b: max(tps for _, _, tps in rows) for b, rows in ranking.items()}
+    rates = {b: {p: tps / best[b] for p, _, tps in reversed(rows)} for b, rows in ranking.items()}  # first row wins
+    first = next(iter(ranking.values()))
+    common = [p for p, _, _ in first if all(p in r for r in rates.values())]
+    if not common:
+        raise ProfileError(f"no policy in precision class {precision!r} is profiled in every bucket "
+                           f"{sorted(ranking)}; profile the same candidates at each context")
+    score = lambda p: (min(r[p] for r in rates.values()), float(np.mean([r[p] for r in rates.values()])))
+    pick = max(common, key=score)  # max keeps the first of equals: the better rank in the first bucket
+    return pick, {b: rates[b][pick] for b in ranking}
+
+
 @dataclass
 class Planner:
     """Picks and switches policies between chunks of rounds.

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ssv_jax.config import get_config
-from ssv_jax.planner import (Planner, ProfileError, bucket_of, chain_alpha, chain_tau, load_profile,
-                            predict_tokens_per_s, save_profile)
+from ssv_jax.planner import (Planner, ProfileError, best_fixed_policy, bucket_of, chain_alpha, chain_tau,
+                            load_profile, predict_tokens_per_s, save_profile)
 from ssv_jax.policy import SSVPolicy
 
 CFG = get_config("tiny")
@@ -324,3 +324,33 @@ def test_kernel_policies_run_on_the_reference_path_off_the_gpu(tmp_path):
     assert [row[0] for row in cpu.ranking["8K"]] == [P_BIG, P_MID]
     gpu = Planner.from_profile(prof, "exact", platform="gpu")
     assert [row[0] for row in gpu.ranking["8K"]] == [k_big, P_BIG, k_mid]
+
+
+def test_the_best_fixed_policy_is_the_one_whose_worst_bucket_loses_least(tmp_path):
+    """Each bucket's best differs (P_BIG at 8K, P_STRICT at 32K); the best fixed policy is the one profiled in
+    every bucket whose worst ratio to a bucket's best is highest (P_MID: 0.9 and 0.95, where P_BIG drops to 0.5
+    at 32K). A policy missing from a bucket (P_STRICT at 8K) is not eligible; the class bounds the candidates."""
+    path = tmp_path / "prof.json"
+    save_profile(str(path), {"8K": _rows((P_BIG, 100.0, 4.0), (P_MID, 90.0, 3.0), (P_APPROX, 300.0, 3.0)),
+                             "32K": _rows((P_STRICT, 100.0, 3.0), (P_MID, 95.0, 3.0), (P_BIG, 50.0, 4.0),
+                                          (P_APPROX, 300.0, 3.0))},
+                 hardware="test", model=CFG.name, prompts=[])
+    prof = load_profile(str(path))
+    pick, scores = best_fixed_policy(prof, "strict")
+    assert pick == P_MID and scores == pytest.approx({"8K": 0.9, "32K": 0.95})
+    assert best_fixed_policy(prof, "approx") == (P_APPROX, pytest.approx({"8K": 1.0, "32K": 1.0}))
+    with pytest.raises(ValueError, match=r"precision='loose' is invalid; accepted: \('exact', 'strict', 'approx'\)"):
+        best_fixed_policy(prof, "loose")
+
+
+def test_the_best_fixed_policy_breaks_ties_by_the_mean_then_needs_a_shared_candidate(tmp_path):
+    path = tmp_path / "prof.json"
+    save_profile(str(path), {"8K": _rows((P_BIG, 100.0, 4.0), (P_MID, 80.0, 3.0)),
+                             "32K": _rows((P_MID, 100.0, 3.0), (P_BIG, 80.0, 4.0), (P_STRICT, 90.0, 2.0)),
+                             "64K": _rows((P_MID, 100.0, 3.0), (P_BIG, 90.0, 4.0))},
+                 hardware="test", model=CFG.name, prompts=[])
+    assert best_fixed_policy(load_profile(str(path)), "strict")[0] == P_MID  # both worst 0.8; P_MID's mean higher
+    save_profile(str(path), {"8K": _rows((P_BIG, 100.0, 4.0)), "32K": _rows((P_MID, 100.0, 3.0))},
+                 hardware="test", model=CFG.name, prompts=[])
+    with pytest.raises(ProfileError, match=r"no policy in precision class 'strict' is profiled in every bucket"):
+        best_fixed_policy(load_profile(str(path)), "strict")

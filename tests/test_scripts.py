@@ -223,6 +223,37 @@ def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     assert json.loads(out.read_text())["planner_profile"] == DEFAULT_PROFILE
 
 
+def test_e2e_bench_takes_the_best_fixed_policy_from_the_profile(tmp_path):
+    """`--fixed profile`: the fixed policy is the profile's best over all its buckets (`best_fixed_policy`), not
+    any bucket's first choice; the JSON records its per-bucket scores, and naming --tree or --schedule as well is
+    refused."""
+    from ssv_jax.planner import save_profile
+    from ssv_jax.policy import SSVPolicy
+
+    steady = SSVPolicy(top_k=2, depth=2, budget=4, order="dfs", schedule=2, precision="strict", backend="reference")
+    peaky = steady.replace(top_k=1, budget=2)
+    prof = tmp_path / "prof.json"
+    save_profile(str(prof), {b: [dict(policy=p.to_dict(), tokens_per_s=v, tau=2.0) for p, v in rows]
+                             for b, rows in {"8K": ((peaky, 20.0), (steady, 19.0)),
+                                             "16K": ((steady, 20.0), (peaky, 10.0))}.items()},
+                 hardware="test", model="tiny", prompts=[])
+    out = tmp_path / "e2e.json"
+    args = ["--random-preset", "tiny", "--contexts", "128", "--prompts", "1", "--new-tokens", "4", "--backend",
+            "reference", "--methods", "ssv", "--no-split", "--reps", "1", "--profile", str(prof), "--fixed",
+            "profile", "--out", str(out)]
+    _script("bench_e2e").main(args)
+    res = json.loads(out.read_text())
+    assert res["fixed_policy"] == steady.describe() and [r["policy"] for r in res["rows"]] == [steady.describe()]
+    assert res["fixed_from_profile"] == pytest.approx({"8K": 0.95, "16K": 1.0})
+    with pytest.raises(SystemExit, match=r"--fixed profile takes the fixed policy from the profile; --tree=\[2, 2, "
+                                         r"4\] --schedule=None would be ignored"):
+        _script("bench_e2e").main(args + ["--tree", "2", "2", "4"])
+    other = json.loads(prof.read_text()) | {"model": "small"}
+    prof.write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match=r"--fixed profile: the profile is for model 'small', not 'tiny'"):
+        _script("bench_e2e").main(args)
+
+
 def test_e2e_bench_splits_the_round_of_several_prompts_and_takes_their_median(tmp_path, capsys):
     """`--split-prompts N` splits the round from each of a context's first N prompts (one row each, in prompt
     order) and `split_median` holds each time's median over those rows; N outside [1, --prompts] is refused."""
