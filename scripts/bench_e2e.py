@@ -6,10 +6,10 @@
 
 Methods: AR NSA; naive SD+NSA (per-query kernel, no grouping, no reuse); SSV with a fixed policy (the best
 fixed one given, kernel path; `--tree`, and `--schedule`, which the baselines do not take; or, with `--fixed
-profile`, the one the planner's profile ranks best over all its buckets, `planner.best_fixed_policy`, whose tree the
-baselines then take); SSV with the planner (policy "auto", choosing within the fixed policy's precision class, or
-within "strict" with `--fixed profile`, the class that choice is made in); dense EAGLE-3 SD (the same weights with dense
-attention). Each method runs once per prompt to compile, then `--reps` times timed (the median run counts);
+profile`, the one the planner's profile ranks best over all its buckets, `planner.best_fixed_policy`, whose tree
+the baselines then take); SSV with the planner (policy "auto", choosing within the fixed policy's precision class,
+or within "strict" with `--fixed profile`, the class that choice is made in); dense EAGLE-3 SD (the same weights
+with dense attention). Each method runs once per prompt to compile, then `--reps` times timed (the median run counts);
 tokens/s excludes prefill. `planner_gain` in the JSON holds the planner's tokens/s over the fixed policy's per
 prompt with its median, mean and range, and the same over the prompts its profile was not measured on
 (`disjoint`; a planner row says `profiled` when its prompt shares a file with the profile's prompts of a
@@ -37,7 +37,8 @@ from ssv_jax import model as M
 from ssv_jax import speculative, timing
 from ssv_jax.generate import ar_generate
 from ssv_jax.generate_cli import add_dtype_arg, load_model, prompt_files, prompts
-from ssv_jax.planner import DEFAULT_PROFILE, Planner, ProfileError, best_fixed_policy, bucket_of, load_profile
+from ssv_jax.planner import (DEFAULT_PROFILE, Planner, ProfileError, best_fixed_policy, bucket_of, check_model,
+                             load_profile)
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.schedule import parse
 from ssv_jax.speculative import ssv_generate
@@ -154,8 +155,7 @@ def main(argv=None):
     if a.fixed == "profile":
         try:
             prof = load_profile(a.profile or DEFAULT_PROFILE)
-            if prof.get("model") not in (None, m.cfg.name):
-                raise ProfileError(f"the profile is for model {prof.get('model')!r}, not {m.cfg.name!r}")
+            check_model(prof, m.cfg)
             fixed, fixed_scores = best_fixed_policy(prof, "strict")
         except ProfileError as e:
             raise SystemExit(f"--fixed profile: {e}") from e

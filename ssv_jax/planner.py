@@ -42,6 +42,12 @@ class ProfileError(ValueError):
     """A profile file that cannot be used (missing, corrupt, wrong version)."""
 
 
+def check_model(prof: dict, cfg: ModelConfig, where: str = "the profile"):
+    """Raise `ProfileError` unless `prof` was measured on `cfg`'s model (a profile naming no model fits any)."""
+    if prof.get("model") not in (None, cfg.name):
+        raise ProfileError(f"{where} is for model {prof.get('model')!r}, not {cfg.name!r}")
+
+
 def load_profile(path: str) -> dict:
     """Read and validate a ranking JSON (see module docstring; `check_profile`). Raises `ProfileError` naming the
     problem."""
@@ -240,8 +246,7 @@ class Planner:
         path = profile_path or DEFAULT_PROFILE
         try:
             prof = load_profile(path)  # checked here, with the path in its messages
-            if prof.get("model") not in (None, cfg.name):
-                raise ProfileError(f"profile {path!r} is for model {prof.get('model')!r}, not {cfg.name!r}")
+            check_model(prof, cfg, f"profile {path!r}")
             return cls(_ranking(prof, precision, None))
         except ProfileError as e:
             warnings.warn(f"{e}; falling back to the fixed default policy {SSVPolicy().describe()}", stacklevel=3)
