@@ -279,13 +279,36 @@ def e2e_speedup(data: dict):
     return fig
 
 
+def _joined(*parts) -> dict:
+    """bench_e2e runs of one lease over different contexts as one run: their rows and summaries joined, the rest
+    from the first."""
+    return dict(parts[0], rows=[r for p in parts for r in p["rows"]],
+                summary={k: v for p in parts for k, v in p["summary"].items()})
+
+
 def e2e_speedup_current_head(data: dict):
     """e2e_s41_h100.json: `e2e_speedup` over the session-41 runs with the current head on one H100 lease (15712,
     then 8192 and 4096, every method)."""
-    parts = [data["runs"][k] for k in ("15712", "8192_4096")]
-    run = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
-               summary={k: v for p in parts for k, v in p["summary"].items()})
-    return e2e_speedup(run)
+    return e2e_speedup(_joined(*(data["runs"][k] for k in ("15712", "8192_4096"))))
+
+
+def e2e_speedup_best_fixed(data: dict):
+    """e2e_best_fixed_s45_h200.json: `e2e_speedup` over its runs (15712 and 8192, then 4096; every method with the
+    profile's best fixed policy on one H200 lease)."""
+    return e2e_speedup(_joined(*data["runs"].values()))
+
+
+def planner_vs_best_fixed(*leases: dict):
+    """Per prompt, the planner's tokens/s over the best fixed policy's (`bench_e2e --fixed profile`, the issue's
+    comparison), one series per lease: e2e_best_fixed_s44_h100.json (8K, 15.7K), e2e_best_fixed_s45_h100.json and
+    e2e_best_fixed_s45_h200.json (4K, 8K, 15.7K)."""
+    runs = [(f"{d['device'].split()[1]}, session {d['benchmark'].rsplit('_s', 1)[1]}",
+             _joined(*d["runs"].values())["rows"]) for d in leases]
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    _gain_panel(ax, runs, "planner gain over the best fixed policy, per prompt (bar: median)")
+    ax.set(ylabel="planner tokens/s / best fixed policy's")
+    fig.tight_layout()
+    return fig
 
 
 def group_size_ablation(kern: dict):
@@ -523,6 +546,9 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("group_size_ablation.png", group_size_ablation, ["kernels_h200.json"]),
     ("routing_share.png", routing_share, ["kernels_h200.json"]),
     ("planner_gain.png", planner_gain, ["e2e_h200.json"]),
+    ("e2e_speedup_best_fixed_h200.png", e2e_speedup_best_fixed, ["e2e_best_fixed_s45_h200.json"]),
+    ("planner_vs_best_fixed.png", planner_vs_best_fixed,
+     ["e2e_best_fixed_s44_h100.json", "e2e_best_fixed_s45_h100.json", "e2e_best_fixed_s45_h200.json"]),
     ("group_size_e2e.png", group_size_e2e, ["group_size_e2e_h200.json"]),
     ("round_stages.png", round_stages, ["round_ops_15k_h200.json", "verify_prologue_h200.json"]),
     ("mode_b.png", mode_b, ["ablation_mode_b_h200.json", "mode_b_agreement_cpu.json"]),
