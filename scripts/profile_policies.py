@@ -4,10 +4,13 @@ write the versioned ranking JSON that `policy="auto"` reads (DESIGN.md, "Planner
     python scripts/profile_policies.py --checkpoint checkpoints/ssv-small --contexts 4096 8192 16384 \
         --out docs/results/policy_profile.json
     python scripts/profile_policies.py --random-preset tiny --contexts 256 --new-tokens 24 --out /tmp/prof.json
+    python scripts/profile_policies.py --show docs/results/policy_profile_s45_h200.json
 
 Each policy runs once per prompt to compile, then `--reps` times timed; the median run counts (a single timed run
 once ran hundreds of times slower on the H200, docs/results/policy_profile.json). tokens/s counts the emitted
-tokens over the decode time (prefill excluded); round_ms is the decode time per round.
+tokens over the decode time (prefill excluded); round_ms is the decode time per round. The summary printed at the
+end (or by `--show` for existing files) says, per bucket, how clearly the first policy leads the runner-up: when
+some prompt favours the runner-up, the prompts profiled do not settle the bucket's choice.
 
 With a tokenizer, the prompts are held-out text only: the files long enough alone, then windows of shorter files
 packed as in training (`generate_cli.prompts`). Where fewer than `--prompts` exist, the context is profiled on
@@ -27,7 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
-from ssv_jax.planner import bucket_of, save_profile
+from ssv_jax.planner import ProfileError, bucket_lead, bucket_of, load_profile, save_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import ssv_generate
 from ssv_jax.tree import TreeSpec
@@ -62,6 +65,24 @@ def text_prompts(tok, vocab_size: int, context: int, count: int, skip: int) -> l
     return text
 
 
+def summary(prof: dict) -> list[str]:
+    """A profile's ranking in a few lines: per bucket, the first policy and how clearly it leads the runner-up
+    (`planner.bucket_lead`)."""
+    lines = []
+    for b, rows in prof["buckets"].items():
+        best = rows[0]
+        lines.append(f"{b}: best {SSVPolicy.from_dict(best['policy']).describe()}  {best['tokens_per_s']:.1f} tok/s  "
+                     f"tau {best['tau']:.2f}")
+        lead = bucket_lead(rows)
+        if lead:
+            per = lead["per_prompt"]
+            lines.append(f"    runner-up {SSVPolicy.from_dict(lead['runner_up']).describe()} at {lead['ratio']:.3f} "
+                         f"of it, {min(per):.3f}-{max(per):.3f} per prompt"
+                         + ("" if lead["clear"] else ": some prompt favours the runner-up, so these prompts do not "
+                                                     "settle which of the two is best"))
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
@@ -83,7 +104,19 @@ def main(argv=None):
     ap.add_argument("--schedules", type=int, nargs="+", default=[1])
     ap.add_argument("--backend", default="reference", choices=["reference", "kernel"])
     ap.add_argument("--out", default="docs/results/policy_profile.json")
+    ap.add_argument("--show", nargs="+", metavar="PROFILE",
+                    help="print the summary of existing profile files (the first policy of each bucket and how "
+                         "clearly it leads the runner-up) and exit; runs nothing")
     a = ap.parse_args(argv)
+    if a.show:
+        for path in a.show:
+            try:
+                prof = load_profile(path)
+            except ProfileError as e:
+                raise SystemExit(str(e))
+            print(f"{path} ({prof['hardware']}, prompts: {len(prof['prompts'])})")
+            print("\n".join(summary(prof)))
+        return
     if a.reps < 1:
         ap.error(f"--reps {a.reps} is invalid; accepted: an integer >= 1")
     if a.skip_prompts < 0:
@@ -127,11 +160,7 @@ def main(argv=None):
                             extra=dict(model_source=desc, new_tokens=a.new_tokens, reps=a.reps,
                                        skip_prompts=a.skip_prompts, random_fill=a.random_fill,
                                        note="verify_ms is the whole round time (draft + verify + commit)"))
-    for b, rows in prof["buckets"].items():
-        best = rows[0]
-        print(f"{b}: best {SSVPolicy.from_dict(best['policy']).describe()}  {best['tokens_per_s']:.1f} tok/s  "
-              f"tau {best['tau']:.2f}")
-
+    print("\n".join(summary(prof)))
 
 if __name__ == "__main__":
     main()

@@ -191,6 +191,23 @@ def best_fixed_policy(prof: dict, precision: str = "strict", platform: str | Non
     return pick, {b: rates[b][pick] for b in ranking}
 
 
+def bucket_lead(rows: list) -> dict | None:
+    """How clearly a profile bucket's first policy leads the next one (`rows`: the bucket's rows as a profile ranks
+    them, best first). Returns {"runner_up": its policy dict, "ratio": its tokens/s over the first's, "per_prompt":
+    the same ratio on each profiled prompt, "clear": whether the first is faster on every prompt}. When `clear` is
+    false some prompt favours the runner-up, so which of the two the bucket ranks first rests on which prompts were
+    profiled. None for a bucket of one policy, or rows without matching per-prompt figures."""
+    if len(rows) < 2:
+        return None
+    first, second = rows[0], rows[1]
+    a, b = first.get("per_prompt_tokens_per_s"), second.get("per_prompt_tokens_per_s")
+    if not a or not b or len(a) != len(b):
+        return None
+    per_prompt = [float(y) / float(x) for x, y in zip(a, b)]
+    return dict(runner_up=second["policy"], ratio=float(second["tokens_per_s"]) / float(first["tokens_per_s"]),
+                per_prompt=per_prompt, clear=max(per_prompt) < 1.0)
+
+
 @dataclass
 class Planner:
     """Picks and switches policies between chunks of rounds.

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ssv_jax.config import get_config
-from ssv_jax.planner import (Planner, ProfileError, best_fixed_policy, bucket_of, chain_alpha, chain_tau,
-                            load_profile, predict_tokens_per_s, save_profile)
+from ssv_jax.planner import (Planner, ProfileError, best_fixed_policy, bucket_lead, bucket_of, chain_alpha,
+                            chain_tau, load_profile, predict_tokens_per_s, save_profile)
 from ssv_jax.policy import SSVPolicy
 
 CFG = get_config("tiny")
@@ -354,3 +354,34 @@ def test_the_best_fixed_policy_breaks_ties_by_the_mean_then_needs_a_shared_candi
                  hardware="test", model=CFG.name, prompts=[])
     with pytest.raises(ProfileError, match=r"no policy in precision class 'strict' is profiled in every bucket"):
         best_fixed_policy(load_profile(str(path)), "strict")
+
+
+def _measured(policy, per_prompt):
+    """A profile row with per-prompt tokens/s, its tokens_per_s their mean (as profile_policies writes it)."""
+    return dict(policy=policy.to_dict(), tokens_per_s=float(np.mean(per_prompt)), tau=3.0, verify_ms=1.0,
+                per_prompt_tokens_per_s=list(per_prompt))
+
+
+def test_bucket_lead_is_clear_only_when_the_first_policy_wins_on_every_prompt(tmp_path):
+    rng = np.random.default_rng()
+    base = rng.uniform(1000.0, 5000.0, size=3)
+    margin = rng.uniform(0.80, 0.99, size=3)
+    mixed = margin * np.where(np.arange(3) == rng.integers(3), 1.3, 1.0)  # one prompt favours the other policy
+    path = tmp_path / "prof.json"
+    save_profile(str(path), {"16K": [_measured(P_MID, base * margin), _measured(P_BIG, base)],
+                             "8K": [_measured(P_MID, base), _measured(P_BIG, base * mixed)]},
+                 hardware="test", model=CFG.name, prompts=["a", "b", "c"])
+    prof = load_profile(str(path))
+    clear = bucket_lead(prof["buckets"]["16K"])  # ranked on saving: P_BIG first, faster on every prompt
+    assert clear["clear"] and clear["runner_up"] == P_MID.to_dict()
+    assert clear["per_prompt"] == pytest.approx(list(margin))
+    assert clear["ratio"] == pytest.approx(np.mean(base * margin) / np.mean(base))
+    # whichever of the two ranks first, a prompt favours the runner-up: the ranking rests on the prompts profiled
+    lead = bucket_lead(prof["buckets"]["8K"])
+    assert not lead["clear"] and max(lead["per_prompt"]) > 1.0 > min(lead["per_prompt"])
+
+
+def test_bucket_lead_needs_two_policies_with_matching_per_prompt_figures():
+    assert bucket_lead([_measured(P_MID, [100.0, 120.0])]) is None
+    assert bucket_lead(_rows((P_MID, 120.0, 3.0), (P_BIG, 100.0, 4.0))) is None  # no per-prompt figures
+    assert bucket_lead([_measured(P_MID, [100.0, 120.0]), _measured(P_BIG, [90.0])]) is None

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ssv_jax.planner import load_profile
+from ssv_jax.planner import load_profile, save_profile
+from ssv_jax.policy import SSVPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -19,9 +20,9 @@ def _script(name):
     return importlib.import_module(name)
 
 
-def test_profile_policies_averages_every_context_of_a_bucket(tmp_path):
+def test_profile_policies_averages_every_context_of_a_bucket(tmp_path, capsys):
     """Two contexts in the same bucket ("8K"): each policy's row covers both (one prompt each, the median of two
-    timed runs), ranked best first."""
+    timed runs), ranked best first; the summary says how clearly the first leads the runner-up."""
     out = tmp_path / "prof.json"
     _script("profile_policies").main(["--random-preset", "tiny", "--contexts", "160", "200", "--prompts", "1",
                                       "--new-tokens", "6", "--trees", "2,2,4", "--schedules", "1", "2",
@@ -38,6 +39,33 @@ def test_profile_policies_averages_every_context_of_a_bucket(tmp_path):
     assert {r["policy"]["schedule"] for r in rows} == {1, 2}
     assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"]
     assert [p["context"] for p in prof["prompts"]] == [160, 200]
+    ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    assert f"runner-up {SSVPolicy.from_dict(rows[1]['policy']).describe()} at {ratio:.3f}" in capsys.readouterr().out
+
+
+def test_profile_policies_show_summarizes_existing_profiles_and_runs_nothing(tmp_path, capsys):
+    """--show prints each file's buckets: the first policy, then the runner-up's share of its tokens/s and whether
+    a prompt favours the runner-up (a ranking the profiled prompts do not settle)."""
+    a = SSVPolicy(top_k=4, depth=6, budget=32, schedule=8, precision="strict")
+    b = SSVPolicy(top_k=4, depth=4, budget=16)
+
+    def row(p, tps):
+        return dict(policy=p.to_dict(), tokens_per_s=float(np.mean(tps)), tau=3.0, verify_ms=1.0,
+                    per_prompt_tokens_per_s=tps)
+
+    path = tmp_path / "prof.json"
+    save_profile(str(path), {"8K": [row(a, [100.0, 200.0]), row(b, [90.0, 210.0])],
+                             "16K": [row(a, [100.0, 200.0]), row(b, [80.0, 150.0])]},
+                 hardware="test GPU", model="tiny", prompts=["x", "y"])
+    _script("profile_policies").main(["--show", str(path)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{path} (test GPU, prompts: 2)"
+    assert out[1].startswith(f"8K: best {a.describe()}  150.0 tok/s")
+    assert out[2].strip().startswith(f"runner-up {b.describe()} at 1.000 of it, 0.900-1.050 per prompt: some prompt")
+    assert out[3].startswith(f"16K: best {a.describe()}")
+    assert out[4].strip() == f"runner-up {b.describe()} at {230 / 300:.3f} of it, 0.750-0.800 per prompt"
+    with pytest.raises(SystemExit, match="missing.json"):
+        _script("profile_policies").main(["--show", str(tmp_path / "missing.json")])
 
 
 def test_profile_policies_rejects_zero_reps(tmp_path):
