@@ -135,7 +135,7 @@ def main(argv=None):
                     help="the draft tree's top-k: the library's choice (speculative.draft_select), or the XLA "
                          "reference (tree.log_softmax_top_k) everywhere, to A/B the selection kernel")
     ap.add_argument("--profile", default=None,
-                    help="the planner's ranking JSON (default: the library's, docs/results/policy_profile.json)")
+                    help="the planner's ranking JSON (default: the library's, planner.DEFAULT_PROFILE)")
     ap.add_argument("--out", default="docs/results/e2e_h200.json")
     a = ap.parse_args(argv)
     if a.fixed == "profile" and (a.tree is not None or a.schedule is not None):

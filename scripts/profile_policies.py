@@ -1,8 +1,7 @@
 """Offline profiler for the planner: run candidate SSV policies on representative prompts per context bucket and
 write the versioned ranking JSON that `policy="auto"` reads (DESIGN.md, "Planner").
 
-    python scripts/profile_policies.py --checkpoint checkpoints/ssv-small --contexts 4096 8192 16384 \
-        --out docs/results/policy_profile.json
+    python scripts/profile_policies.py --checkpoint checkpoints/ssv-small --contexts 8192 15712 --out my_profile.json
     python scripts/profile_policies.py --random-preset tiny --contexts 256 --new-tokens 24 --out /tmp/prof.json
     python scripts/profile_policies.py --show docs/results/policy_profile_s45_h200.json
 
@@ -30,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
-from ssv_jax.planner import ProfileError, bucket_lead, bucket_of, load_profile, save_profile
+from ssv_jax.planner import DEFAULT_PROFILE, ProfileError, bucket_lead, bucket_of, load_profile, save_profile
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import ssv_generate
 from ssv_jax.tree import TreeSpec
@@ -103,7 +102,8 @@ def main(argv=None):
     ap.add_argument("--group-sizes", type=int, nargs="+", default=[4])
     ap.add_argument("--schedules", type=int, nargs="+", default=[1])
     ap.add_argument("--backend", default="reference", choices=["reference", "kernel"])
-    ap.add_argument("--out", default="docs/results/policy_profile.json")
+    ap.add_argument("--out", default=DEFAULT_PROFILE, help="where the ranking JSON goes (default: the one "
+                    "policy=\"auto\" reads, planner.DEFAULT_PROFILE)")
     ap.add_argument("--show", nargs="+", metavar="PROFILE",
                     help="print the summary of existing profile files (the first policy of each bucket and how "
                          "clearly it leads the runner-up) and exit; runs nothing")

@@ -25,8 +25,10 @@ from ssv_jax.policy import PRECISIONS, SSVPolicy
 
 PROFILE_VERSION = 1
 BUCKETS = (8192, 16384, 32768, 65536, None)  # <=8K, <=16K, <=32K, <=64K, >64K
+# the bundled model's profile on the H200 with its current head (16K bucket: session 42; 8K: session 45); the
+# previous head's, `policy_profile.json`, was the default before session 45 (docs/DESIGN_NOTES.md)
 DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results",
-                               "policy_profile.json")
+                               "policy_profile_s45_h200.json")
 _CLASS_RANK = {"exact": 0, "strict": 1, "approx": 2}
 
 
