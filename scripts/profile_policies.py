@@ -113,7 +113,7 @@ def main(argv=None):
             try:
                 prof = load_profile(path)
             except ProfileError as e:
-                raise SystemExit(str(e))
+                raise SystemExit(str(e)) from e
             print(f"{path} ({prof['hardware']}, prompts: {len(prof['prompts'])})")
             print("\n".join(summary(prof)))
         return
@@ -161,6 +161,7 @@ def main(argv=None):
                                        skip_prompts=a.skip_prompts, random_fill=a.random_fill,
                                        note="verify_ms is the whole round time (draft + verify + commit)"))
     print("\n".join(summary(prof)))
+
 
 if __name__ == "__main__":
     main()

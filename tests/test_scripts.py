@@ -203,8 +203,6 @@ def test_e2e_planner_gain_is_per_prompt_with_its_spread():
 def test_e2e_marks_a_prompt_profiled_where_its_files_ranked_a_bucket_the_generation_can_use(tmp_path):
     """A planner row is `profiled` when its prompt shares a file with the profile's prompts of the prompt's context
     bucket or of the bucket its generation grows into; prompts of other buckets do not count."""
-    from ssv_jax.planner import save_profile
-    from ssv_jax.policy import SSVPolicy
 
     be = _script("bench_e2e")
     path = tmp_path / "prof.json"
@@ -226,8 +224,7 @@ def test_e2e_bench_planner_reads_the_profile_it_is_given(tmp_path):
     the flag, the library's default profile is named. Each row records its chunks (policy, rounds, tau) and the
     planner's switch log, so that online switching can be read from the JSON."""
     from ssv_jax.generate_cli import RANDOM_PROMPT
-    from ssv_jax.planner import DEFAULT_PROFILE, save_profile
-    from ssv_jax.policy import SSVPolicy
+    from ssv_jax.planner import DEFAULT_PROFILE
 
     best = SSVPolicy(top_k=2, depth=3, budget=6, order="dfs", schedule=2, precision="strict", backend="reference")
     other = best.replace(top_k=1, budget=3)
@@ -255,8 +252,6 @@ def test_e2e_bench_takes_the_best_fixed_policy_from_the_profile(tmp_path):
     """`--fixed profile`: the fixed policy is the profile's best over all its buckets (`best_fixed_policy`), not
     any bucket's first choice; the JSON records its per-bucket scores, and naming --tree or --schedule as well is
     refused."""
-    from ssv_jax.planner import save_profile
-    from ssv_jax.policy import SSVPolicy
 
     steady = SSVPolicy(top_k=2, depth=2, budget=4, order="dfs", schedule=2, precision="strict", backend="reference")
     peaky = steady.replace(top_k=1, budget=2)
@@ -348,7 +343,6 @@ def test_round_split_leaves_the_state_and_matches_generation(tmp_path):
     from ssv_jax import model as M
     from ssv_jax import timing
     from ssv_jax.generate_cli import load_model
-    from ssv_jax.policy import SSVPolicy
     from ssv_jax.speculative import ssv_generate
 
     m, _, _ = load_model(argparse.Namespace(random_preset="tiny", checkpoint=None, seed=0))
@@ -629,7 +623,6 @@ def test_round_ops_ceiling_reads_its_figures_from_the_benchmark_files(tmp_path, 
     """AR ms a token and the round's ms and tau come from the e2e rows at the context (decode time over rounds,
     over all prompts), the drafting µs from the named attribution's drafting stage, and the cost of a level from
     the profile's two depths of the fixed tree; a missing run or a profile with one depth is refused by name."""
-    from ssv_jax.policy import SSVPolicy
     ro = _script("round_ops")
     fixed = SSVPolicy(top_k=4, depth=6, budget=32, order="dfs", schedule=4, precision="strict", backend="kernel")
     rows = [dict(context=99, method="ar", decode_s=0.04, rounds=100, tau=1.0, policy=None),
