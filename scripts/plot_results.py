@@ -38,6 +38,13 @@ Each figure is drawn only when all of its JSON files exist; one line per figure 
       python scripts/mode_b_agreement.py --checkpoint checkpoints/ssv-small --context 4096 --prompts 3
   Mode B over mode A end to end (tokens/s, tau), and its next-token agreement with mode A on identical trees
   (4K; 8K and 15.7K under `context_8192` and `context_15712`, the same command with the JSON's "command").
+- group_size_e2e.png      group_size_e2e_h200.json     (profile_policies.py --group-sizes 1 2 4 8, its "command")
+  group_size_e2e_s46_h100.png  group_size_e2e_s46_h100.json   (the same with the current head, on an H100)
+  ms per round and tokens/s end to end against the group size C, per tree and context.
+- mode_b_s46_h100.png     ablation_mode_b_s46_h100.json, mode_b_agreement_cpu.json
+  mode_b.png with the current head's end-to-end ablation (H100) on the left.
+- refresh_period_e2e.png  refresh_period_e2e_s46_h100.json   (profile_policies.py --schedules 1 2 4 8)
+  ms per round, tau and tokens/s end to end against the refresh period P at 15.7K, per tree.
 - schedule_quality.png    schedule_quality_cpu.json, schedule_quality_16k_h100.json
       python scripts/schedule_quality.py --checkpoint checkpoints/ssv-small --seq-len 4096 --windows 8
   Held-out perplexity and next-token agreement with refresh-every-layer against the refresh period P (4K
@@ -409,9 +416,16 @@ def _gain_panel(ax, runs, title):
     ax.grid(alpha=0.3)
 
 
+def _card(prof: dict) -> str:
+    """The GPU a profile ran on, from its `hardware` field ("NVIDIA H200 (x86_64, jax ...)" -> "H200")."""
+    name = prof["hardware"].split(" (")[0]
+    return name.removeprefix("NVIDIA ")
+
+
 def group_size_e2e(prof: dict):
-    """group_size_e2e_h200.json (profile_policies.py --group-sizes): end to end on the bundled model, ms per round
-    and tokens/s against the group size C, one colour per tree, one line style per context bucket."""
+    """group_size_e2e_h200.json or group_size_e2e_s46_*.json (profile_policies.py --group-sizes): end to end on the
+    bundled model, ms per round and tokens/s against the group size C, one colour per tree, one line style per
+    context bucket."""
     tree = lambda r: (r["policy"]["budget"], r["policy"]["depth"])  # noqa: E731
     trees = sorted({tree(r) for rs in prof["buckets"].values() for r in rs})
     fig, (a_ms, a_tps) = plt.subplots(1, 2, figsize=(9.6, 3.8))
@@ -428,7 +442,32 @@ def group_size_e2e(prof: dict):
         ax.set(xlabel="group size C", ylabel=ylabel)
         ax.grid(alpha=0.3)
     a_ms.legend(fontsize=7)
-    fig.suptitle("group size end to end, bundled model, H200 (P=4)")
+    fig.suptitle(f"group size end to end, bundled model, {_card(prof)} (P=4)")
+    fig.tight_layout()
+    return fig
+
+
+def refresh_period_e2e(prof: dict):
+    """refresh_period_e2e_s46_h100.json (profile_policies.py --schedules 1 2 4 8): end to end on the bundled model,
+    ms per round, tau and tokens/s against the refresh period P, one line per tree (each point the mean over the
+    profiled prompts)."""
+    rows = [r for rs in prof["buckets"].values() for r in rs]
+    trees = sorted({(r["policy"]["budget"], r["policy"]["depth"]) for r in rows})
+    fig, axes = plt.subplots(1, 3, figsize=(11.4, 3.6))
+    for j, (b, d) in enumerate(trees):
+        rs = sorted((r for r in rows if (r["policy"]["budget"], r["policy"]["depth"]) == (b, d)),
+                    key=lambda r: r["policy"]["schedule"] or 1)
+        ps = [r["policy"]["schedule"] or 1 for r in rs]
+        for ax, key in zip(axes, ("round_ms", "tau", "tokens_per_s")):
+            ax.plot(ps, [r[key] for r in rs], "o-", color=f"C{j}", label=f"{b} nodes, depth {d}")
+    for ax, ylabel in zip(axes, ("ms per round", "τ (tokens per round)", "tokens/s")):
+        _log_ticks(ax, sorted({r["policy"]["schedule"] or 1 for r in rows}))
+        ax.set(xlabel="refresh period P (1: every layer routes)", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ctx = sorted({p["context"] for p in prof["prompts"]})
+    fig.suptitle(f"refresh period end to end, bundled model at {'/'.join(map(str, ctx))}, {_card(prof)} (C=4, "
+                 f"{len(prof['prompts'])} prompts)")
     fig.tight_layout()
     return fig
 
@@ -463,7 +502,7 @@ def round_stages(*captures: dict):
 
 def mode_b(e2e: dict, agree: dict):
     """ablation_mode_b_h200.json (profile_policies.py --modes A B) and mode_b_agreement_cpu.json
-    (mode_b_agreement.py): left, mode B over mode A end to end on the H200 (tokens/s and tau) against the tree's
+    (mode_b_agreement.py): left, mode B over mode A end to end on the GPU (tokens/s and tau) against the tree's
     nodes, one colour per context bucket; right, next-token agreement with mode A on identical trees (all nodes;
     the nodes whose argmax mode A emits) per context and policy (the top-level run and the nested ones), with the
     paired tau of both modes and where a free run of mode B first parts from mode A's text."""
@@ -476,7 +515,8 @@ def mode_b(e2e: dict, agree: dict):
                        label=f"{bucket}: {'tokens/s' if key == 'tokens_per_s' else 'τ'}")
     a_e2e.axhline(1.0, color="grey", lw=0.8)
     a_e2e.set_xticks(sorted({r["policy"]["budget"] for rows in e2e["buckets"].values() for r in rows}))
-    a_e2e.set(xlabel="tree nodes", ylabel="mode B / mode A", title="end to end, bundled model, H200 (P=4, C=4)")
+    a_e2e.set(xlabel="tree nodes", ylabel="mode B / mode A",
+              title=f"end to end, bundled model, {_card(e2e)} (P=4, C=4)")
     a_e2e.grid(alpha=0.3)
     a_e2e.legend(fontsize=7)
     runs = [agree] + [v for v in agree.values() if isinstance(v, dict) and "results" in v]
@@ -550,8 +590,11 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("planner_vs_best_fixed.png", planner_vs_best_fixed,
      ["e2e_best_fixed_s44_h100.json", "e2e_best_fixed_s45_h100.json", "e2e_best_fixed_s45_h200.json"]),
     ("group_size_e2e.png", group_size_e2e, ["group_size_e2e_h200.json"]),
+    ("group_size_e2e_s46_h100.png", group_size_e2e, ["group_size_e2e_s46_h100.json"]),
+    ("refresh_period_e2e.png", refresh_period_e2e, ["refresh_period_e2e_s46_h100.json"]),
     ("round_stages.png", round_stages, ["round_ops_15k_h200.json", "verify_prologue_h200.json"]),
     ("mode_b.png", mode_b, ["ablation_mode_b_h200.json", "mode_b_agreement_cpu.json"]),
+    ("mode_b_s46_h100.png", mode_b, ["ablation_mode_b_s46_h100.json", "mode_b_agreement_cpu.json"]),
     ("schedule_quality.png", schedule_quality, ["schedule_quality_cpu.json", "schedule_quality_16k_h100.json"]),
 ]
 
