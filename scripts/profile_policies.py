@@ -4,12 +4,18 @@ write the versioned ranking JSON that `policy="auto"` reads (DESIGN.md, "Planner
     python scripts/profile_policies.py --checkpoint checkpoints/ssv-small --contexts 8192 15712 --out my_profile.json
     python scripts/profile_policies.py --random-preset tiny --contexts 256 --new-tokens 24 --out /tmp/prof.json
     python scripts/profile_policies.py --show docs/results/policy_profile_s45_h200.json
+    python scripts/profile_policies.py --merge docs/results/policy_profile_16k_s42_h200.json \
+        docs/results/policy_profile_8k_s45_h200.json --out merged.json
 
 Each policy runs once per prompt to compile, then `--reps` times timed; the median run counts (a single timed run
 once ran hundreds of times slower on the H200, docs/results/policy_profile.json). tokens/s counts the emitted
 tokens over the decode time (prefill excluded); round_ms is the decode time per round. The summary printed at the
 end (or by `--show` for existing files) says, per bucket, how clearly the first policy leads the runner-up: when
 some prompt favours the runner-up, the prompts profiled do not settle the bucket's choice.
+
+`--merge` joins profiles of one card and model that cover different buckets (contexts profiled in separate
+calls) into one file (`planner.merge_profiles`); `FILE:16K` takes only that file's 16K bucket (several:
+`FILE:8K,16K`). It runs nothing.
 
 With a tokenizer, the prompts are held-out text only: the files long enough alone, then windows of shorter files
 packed as in training (`generate_cli.prompts`). Where fewer than `--prompts` exist, the context is profiled on
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import platform
 
 import jax
@@ -29,7 +36,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ssv_jax.generate_cli import add_dtype_arg, load_model, prompts
-from ssv_jax.planner import DEFAULT_PROFILE, ProfileError, bucket_lead, bucket_of, load_profile, save_profile
+from ssv_jax.planner import (BUCKET_KEYS, DEFAULT_PROFILE, ProfileError, bucket_lead, bucket_of, load_profile,
+                             merge_profiles, save_profile)
 from ssv_jax.policy import SSVPolicy
 from ssv_jax.speculative import ssv_generate
 from ssv_jax.tree import TreeSpec
@@ -82,6 +90,19 @@ def summary(prof: dict) -> list[str]:
     return lines
 
 
+def merge_sources(args: list) -> list:
+    """`--merge` arguments -> `planner.merge_profiles` sources: "FILE" takes every bucket of FILE, "FILE:8K,16K"
+    the buckets named. Raises `ProfileError` for an unreadable file."""
+    out = []
+    for arg in args:
+        path, sel = arg, None
+        head, _, tail = arg.rpartition(":")
+        if head and tail and all(k in BUCKET_KEYS for k in tail.split(",")):
+            path, sel = head, tail.split(",")
+        out.append((path, load_profile(path), sel))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None)
@@ -107,7 +128,22 @@ def main(argv=None):
     ap.add_argument("--show", nargs="+", metavar="PROFILE",
                     help="print the summary of existing profile files (the first policy of each bucket and how "
                          "clearly it leads the runner-up) and exit; runs nothing")
+    ap.add_argument("--merge", nargs="+", metavar="FILE[:BUCKETS]",
+                    help="write one profile (--out) from the buckets of profiles of one card and model, and exit; "
+                         "FILE:16K takes only that bucket of FILE (FILE:8K,16K several); runs nothing")
     a = ap.parse_args(argv)
+    if a.show and a.merge:
+        ap.error("--show and --merge are exclusive; accepted: one of them")
+    if a.merge:
+        try:
+            prof = merge_profiles(merge_sources(a.merge))
+        except ProfileError as e:
+            raise SystemExit(str(e)) from e
+        with open(a.out, "w") as f:
+            json.dump(prof, f, indent=2)
+        print(f"{a.out}: buckets {list(prof['buckets'])} from {len(a.merge)} profile(s)")
+        print("\n".join(summary(prof)))
+        return
     if a.show:
         for path in a.show:
             try:

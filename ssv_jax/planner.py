@@ -77,10 +77,9 @@ def check_profile(prof, where: str = "policy profile") -> None:
     buckets = prof.get("buckets")
     if not isinstance(buckets, dict) or not buckets:
         raise ProfileError(f"{where} has no 'buckets'; accepted: a dict bucket -> ranked list")
-    keys = [_key(b) for b in BUCKETS]
     for b, rows in buckets.items():
-        if b not in keys:
-            raise ProfileError(f"{where}: bucket {b!r} is invalid; accepted: {keys}")
+        if b not in BUCKET_KEYS:
+            raise ProfileError(f"{where}: bucket {b!r} is invalid; accepted: {list(BUCKET_KEYS)}")
         if not isinstance(rows, list):
             raise ProfileError(f"{where}: bucket {b!r} holds a {type(rows).__name__}; accepted: a list of entries")
         for i, r in enumerate(rows):
@@ -109,6 +108,52 @@ def save_profile(path: str, buckets: dict, *, hardware: str, model: str, prompts
     with open(path, "w") as f:
         json.dump(prof, f, indent=2)
     return prof
+
+
+def _card(prof: dict) -> str:
+    return str(prof.get("hardware", "")).split(" (")[0]  # "NVIDIA H200 (x86_64, jax ...)" -> "NVIDIA H200"
+
+
+def merge_profiles(sources: list) -> dict:
+    """One profile from buckets profiled in separate runs (each context in its own call, say).
+
+    `sources`: a list of (name, profile, buckets) where `buckets` is None (take every bucket of that profile) or a
+    list of its bucket keys to take. Every profile must be valid (`check_profile`), of one model and one card:
+    profiles of different cards rank policies differently (docs/RESULTS.md), so a merge across cards raises. A bucket
+    taken from two sources raises too; name the one to keep (`buckets`). Returns the merged profile: its buckets in
+    the order taken (the first is `best_fixed_policy`'s tie-break, as in a profile of several contexts, which
+    ranks them in the order profiled), the prompts of the buckets taken, and `merged_from`, each source's name, buckets and metadata
+    (its command, creation time, ...). Raises `ProfileError` naming the source and the problem."""
+    if not sources:
+        raise ProfileError("nothing to merge; accepted: one or more (name, profile, buckets) sources")
+    buckets, taken_from, prompts, merged_from = {}, {}, [], []
+    for name, prof, want in sources:
+        check_profile(prof, f"policy profile {name!r}")
+        have = list(prof["buckets"])
+        want = have if want is None else list(want)
+        missing = [b for b in want if b not in have]
+        if missing:
+            raise ProfileError(f"policy profile {name!r} has no bucket {missing[0]!r}; accepted: one of {have}")
+        first = sources[0][1]
+        if _card(prof) != _card(first):
+            raise ProfileError(f"policy profile {name!r} was measured on {_card(prof)!r}, {sources[0][0]!r} on "
+                               f"{_card(first)!r}; accepted: profiles of one card (cards rank policies differently)")
+        if prof.get("model") != first.get("model"):
+            raise ProfileError(f"policy profile {name!r} is for model {prof.get('model')!r}, {sources[0][0]!r} for "
+                               f"{first.get('model')!r}; accepted: profiles of one model")
+        for b in want:
+            if b in buckets:
+                raise ProfileError(f"bucket {b!r} is in both {taken_from[b]!r} and {name!r}; accepted: each bucket "
+                                   f"from one source (name the buckets to take from each)")
+            buckets[b], taken_from[b] = prof["buckets"][b], name
+        prompts += [p for p in prof.get("prompts", [])
+                    if isinstance(p, dict) and is_int(p.get("context")) and bucket_of(p["context"]) in want]
+        meta = {k: v for k, v in prof.items() if k not in ("version", "hardware", "model", "buckets", "prompts")}
+        merged_from.append(dict(source=name, buckets=want, **meta))
+    first = sources[0][1]
+    return dict(version=PROFILE_VERSION, hardware=first.get("hardware"), model=first.get("model"),
+                created=time.strftime("%Y-%m-%d %H:%M:%S"), prompts=prompts, buckets=buckets,
+                merged_from=merged_from)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -237,7 +282,7 @@ class Planner:
     @classmethod
     def fixed(cls, policy: SSVPolicy) -> "Planner":
         """A planner that runs `policy` in every bucket and never switches."""
-        return cls({b: [(policy, None, None)] for b in map(_key, BUCKETS)})
+        return cls({b: [(policy, None, None)] for b in BUCKET_KEYS})
 
     @classmethod
     def from_profile(cls, prof: dict, precision: str = "exact", platform: str | None = None, **kw) -> "Planner":
@@ -281,7 +326,7 @@ class Planner:
             return b, self.ranking[b]
         # nearest bucket that has a ranking
         keys = list(self.ranking)
-        order = [_key(x) for x in BUCKETS]
+        order = list(BUCKET_KEYS)
         i = order.index(b)
         best = min(keys, key=lambda k: abs(order.index(k) - i) if k in order else 99)
         return best, self.ranking[best]
@@ -334,3 +379,6 @@ class Planner:
 
 def _key(b) -> str:
     return ">64K" if b is None else f"{b // 1024}K"
+
+
+BUCKET_KEYS = tuple(map(_key, BUCKETS))  # "8K", "16K", "32K", "64K", ">64K"

@@ -7,7 +7,7 @@ import pytest
 
 from ssv_jax.config import get_config
 from ssv_jax.planner import (Planner, ProfileError, best_fixed_policy, bucket_lead, bucket_of, chain_alpha,
-                            chain_tau, load_profile, predict_tokens_per_s, save_profile)
+                            chain_tau, load_profile, merge_profiles, predict_tokens_per_s, save_profile)
 from ssv_jax.policy import SSVPolicy
 
 CFG = get_config("tiny")
@@ -385,3 +385,67 @@ def test_bucket_lead_needs_two_policies_with_matching_per_prompt_figures():
     assert bucket_lead([_measured(P_MID, [100.0, 120.0])]) is None
     assert bucket_lead(_rows((P_MID, 120.0, 3.0), (P_BIG, 100.0, 4.0))) is None  # no per-prompt figures
     assert bucket_lead([_measured(P_MID, [100.0, 120.0]), _measured(P_BIG, [90.0])]) is None
+
+
+def _bucket_profile(tmp_path, name, buckets, hardware="NVIDIA H200 (x86_64, jax 0.11.2)", model=CFG.name, **extra):
+    """A saved profile of random tokens/s and tau per bucket (`buckets`: key -> context of its one prompt)."""
+    rng = np.random.default_rng()
+    rows = {b: _rows((P_MID, rng.uniform(100, 200), rng.uniform(1, 5)), (P_BIG, rng.uniform(100, 200),
+                                                                          rng.uniform(1, 5)))
+            for b in buckets}
+    path = tmp_path / name
+    save_profile(str(path), rows, hardware=hardware, model=model,
+                 prompts=[dict(context=c, file=f"{name}:{b}") for b, c in buckets.items()], extra=extra)
+    return load_profile(str(path))
+
+
+def test_merging_profiles_takes_each_bucket_from_the_source_that_names_it(tmp_path):
+    long = _bucket_profile(tmp_path, "long.json", {"16K": 15000, "8K": 8000}, command="profile 15000 8000")
+    short = _bucket_profile(tmp_path, "short.json", {"8K": 8100, "32K": 30000}, command="profile 8100 30000")
+    merged = merge_profiles([("long", long, ["16K"]), ("short", short, None)])
+    assert list(merged["buckets"]) == ["16K", "8K", "32K"]  # in the order taken: the first is best_fixed's tie-break
+    assert merged["buckets"]["16K"] == long["buckets"]["16K"]
+    assert merged["buckets"]["8K"] == short["buckets"]["8K"] and merged["buckets"]["32K"] == short["buckets"]["32K"]
+    assert [p["file"] for p in merged["prompts"]] == ["long.json:16K", "short.json:8K", "short.json:32K"]
+    assert [(m["source"], m["buckets"], m["command"]) for m in merged["merged_from"]] == [
+        ("long", ["16K"], "profile 15000 8000"), ("short", ["8K", "32K"], "profile 8100 30000")]
+    assert (merged["hardware"], merged["model"]) == (long["hardware"], CFG.name)
+    Planner.from_profile(merged, "exact")  # a valid profile
+
+
+def test_merging_refuses_a_bucket_twice_another_card_or_model_and_a_bucket_a_source_lacks(tmp_path):
+    a = _bucket_profile(tmp_path, "a.json", {"8K": 8000})
+    with pytest.raises(ProfileError, match=r"bucket '8K' is in both 'a' and 'b'"):
+        merge_profiles([("a", a, None), ("b", _bucket_profile(tmp_path, "b.json", {"8K": 8000}), None)])
+    h100 = _bucket_profile(tmp_path, "c.json", {"16K": 15000}, hardware="NVIDIA H100 80GB HBM3 (x86_64, jax 0.11.2)")
+    with pytest.raises(ProfileError, match=r"'c' was measured on 'NVIDIA H100 80GB HBM3', 'a' on 'NVIDIA H200'"):
+        merge_profiles([("a", a, None), ("c", h100, None)])
+    other = _bucket_profile(tmp_path, "d.json", {"16K": 15000}, model="small")
+    with pytest.raises(ProfileError, match=r"'d' is for model 'small', 'a' for 'tiny'"):
+        merge_profiles([("a", a, None), ("d", other, None)])
+    with pytest.raises(ProfileError, match=r"'a' has no bucket '16K'; accepted: one of \['8K'\]"):
+        merge_profiles([("a", a, ["16K"])])
+    with pytest.raises(ProfileError, match="nothing to merge"):
+        merge_profiles([])
+    with pytest.raises(ProfileError, match=r"policy profile 'e'.*has version None"):
+        merge_profiles([("a", a, None), ("e", {"buckets": {}}, None)])
+
+
+@pytest.mark.parametrize("merged, sources", [
+    ("policy_profile_s45_h200.json", [("policy_profile_16k_s42_h200.json", None), ("policy_profile_8k_s45_h200.json",
+                                                                                   None)]),
+    ("policy_profile_s44_h100.json", [("policy_profile_h100.json", ["16K"]), ("policy_profile_8k_s44_h100.json",
+                                                                            None)]),
+])
+def test_the_committed_merged_profiles_are_their_sources_merged(merged, sources):
+    """The default profile and the H100 one were joined from per-context runs; merging their sources gives them
+    back, bucket for bucket and in order (the commands are in docs/RESULTS.md)."""
+    import os
+
+    from ssv_jax.planner import DEFAULT_PROFILE
+
+    results = os.path.dirname(DEFAULT_PROFILE)
+    want = load_profile(os.path.join(results, merged))
+    got = merge_profiles([(n, load_profile(os.path.join(results, n)), b) for n, b in sources])
+    assert list(got["buckets"].items()) == list(want["buckets"].items())
+    assert got["prompts"] == want["prompts"]

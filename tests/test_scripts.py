@@ -68,6 +68,31 @@ def test_profile_policies_show_summarizes_existing_profiles_and_runs_nothing(tmp
         _script("profile_policies").main(["--show", str(tmp_path / "missing.json")])
 
 
+def test_profile_policies_merge_writes_one_profile_from_per_context_files(tmp_path, capsys):
+    """--merge FILE:BUCKET ... --out: the buckets taken, each from its file, in one profile that the planner loads;
+    a bucket from two files is an error that names both."""
+    p16, p8 = SSVPolicy(top_k=4, depth=6, budget=32), SSVPolicy(top_k=4, depth=4, budget=16)
+
+    def profile(name, buckets):
+        save_profile(str(tmp_path / name), {b: [dict(policy=p.to_dict(), tokens_per_s=100.0, tau=3.0)]
+                                            for b, p in buckets.items()},
+                     hardware="test GPU (x86_64)", model="tiny", prompts=[])
+        return str(tmp_path / name)
+
+    both, short = profile("both.json", {"16K": p16, "8K": p16}), profile("short.json", {"8K": p8})
+    out = tmp_path / "merged.json"
+    _script("profile_policies").main(["--merge", f"{both}:16K", short, "--out", str(out)])
+    prof = load_profile(str(out))
+    assert {b: SSVPolicy.from_dict(rows[0]["policy"]) for b, rows in prof["buckets"].items()} == {"16K": p16,
+                                                                                                 "8K": p8}
+    assert capsys.readouterr().out.splitlines()[0] == f"{out}: buckets ['16K', '8K'] from 2 profile(s)"
+    with pytest.raises(SystemExit, match=r"bucket '8K' is in both .*both.json' and .*short.json'"):
+        _script("profile_policies").main(["--merge", both, short, "--out", str(tmp_path / "bad.json")])
+    assert not (tmp_path / "bad.json").exists()
+    with pytest.raises(SystemExit):
+        _script("profile_policies").main(["--merge", both, "--show", both])
+
+
 def test_profile_policies_rejects_zero_reps(tmp_path):
     with pytest.raises(SystemExit):
         _script("profile_policies").main(["--random-preset", "tiny", "--reps", "0", "--out", str(tmp_path / "p.json")])
