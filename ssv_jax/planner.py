@@ -122,10 +122,12 @@ def merge_profiles(sources: list) -> dict:
     profiles of different cards rank policies differently (docs/RESULTS.md), so a merge across cards raises. A bucket
     taken from two sources raises too; name the one to keep (`buckets`). Returns the merged profile: its buckets in
     the order taken (the first is `best_fixed_policy`'s tie-break, as in a profile of several contexts, which
-    ranks them in the order profiled), the prompts of the buckets taken, and `merged_from`, each source's name, buckets and metadata
-    (its command, creation time, ...). Raises `ProfileError` naming the source and the problem."""
+    lists them in the order profiled), the prompts of the buckets taken, and `merged_from`: each source's name,
+    buckets and metadata (its command, creation time, ...). Raises `ProfileError` naming the source and the
+    problem."""
     if not sources:
         raise ProfileError("nothing to merge; accepted: one or more (name, profile, buckets) sources")
+    first_name, first = sources[0][:2]
     buckets, taken_from, prompts, merged_from = {}, {}, [], []
     for name, prof, want in sources:
         check_profile(prof, f"policy profile {name!r}")
@@ -134,12 +136,11 @@ def merge_profiles(sources: list) -> dict:
         missing = [b for b in want if b not in have]
         if missing:
             raise ProfileError(f"policy profile {name!r} has no bucket {missing[0]!r}; accepted: one of {have}")
-        first = sources[0][1]
         if _card(prof) != _card(first):
-            raise ProfileError(f"policy profile {name!r} was measured on {_card(prof)!r}, {sources[0][0]!r} on "
+            raise ProfileError(f"policy profile {name!r} was measured on {_card(prof)!r}, {first_name!r} on "
                                f"{_card(first)!r}; accepted: profiles of one card (cards rank policies differently)")
         if prof.get("model") != first.get("model"):
-            raise ProfileError(f"policy profile {name!r} is for model {prof.get('model')!r}, {sources[0][0]!r} for "
+            raise ProfileError(f"policy profile {name!r} is for model {prof.get('model')!r}, {first_name!r} for "
                                f"{first.get('model')!r}; accepted: profiles of one model")
         for b in want:
             if b in buckets:
@@ -150,7 +151,6 @@ def merge_profiles(sources: list) -> dict:
                     if isinstance(p, dict) and is_int(p.get("context")) and bucket_of(p["context"]) in want]
         meta = {k: v for k, v in prof.items() if k not in ("version", "hardware", "model", "buckets", "prompts")}
         merged_from.append(dict(source=name, buckets=want, **meta))
-    first = sources[0][1]
     return dict(version=PROFILE_VERSION, hardware=first.get("hardware"), model=first.get("model"),
                 created=time.strftime("%Y-%m-%d %H:%M:%S"), prompts=prompts, buckets=buckets,
                 merged_from=merged_from)
