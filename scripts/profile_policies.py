@@ -30,6 +30,7 @@ import argparse
 import itertools
 import json
 import platform
+import re
 
 import jax
 import numpy as np
@@ -92,13 +93,17 @@ def summary(prof: dict) -> list[str]:
 
 def merge_sources(args: list) -> list:
     """`--merge` arguments -> `planner.merge_profiles` sources: "FILE" takes every bucket of FILE, "FILE:8K,16K"
-    the buckets named. Raises `ProfileError` for an unreadable file."""
+    the buckets named. Raises `ProfileError` for an unreadable file or a bucket key that no profile can hold."""
     out = []
     for arg in args:
         path, sel = arg, None
         head, _, tail = arg.rpartition(":")
-        if head and tail and all(k in BUCKET_KEYS for k in tail.split(",")):
-            path, sel = head, tail.split(",")
+        if head and re.fullmatch(r">?\d+K(,>?\d+K)*", tail):  # a bucket selector
+            sel = tail.split(",")
+            bad = [k for k in sel if k not in BUCKET_KEYS]
+            if bad:
+                raise ProfileError(f"--merge {arg}: bucket {bad[0]!r} is invalid; accepted: {list(BUCKET_KEYS)}")
+            path = head
         out.append((path, load_profile(path), sel))
     return out
 

@@ -89,6 +89,8 @@ def test_profile_policies_merge_writes_one_profile_from_per_context_files(tmp_pa
     with pytest.raises(SystemExit, match=r"bucket '8K' is in both .*both.json' and .*short.json'"):
         _script("profile_policies").main(["--merge", both, short, "--out", str(tmp_path / "bad.json")])
     assert not (tmp_path / "bad.json").exists()
+    with pytest.raises(SystemExit, match=r"bucket '4K' is invalid; accepted: \['8K', '16K'"):
+        _script("profile_policies").main(["--merge", f"{both}:16K,4K", "--out", str(tmp_path / "bad.json")])
     with pytest.raises(SystemExit):
         _script("profile_policies").main(["--merge", both, "--show", both])
 
