@@ -72,6 +72,8 @@ import matplotlib.ticker  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ssv_jax.planner import card_of  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DIR = os.path.join(REPO, "docs", "results")
 
@@ -417,9 +419,8 @@ def _gain_panel(ax, runs, title):
 
 
 def _card(prof: dict) -> str:
-    """The GPU a profile ran on, from its `hardware` field ("NVIDIA H200 (x86_64, jax ...)" -> "H200")."""
-    name = prof["hardware"].split(" (")[0]
-    return name.removeprefix("NVIDIA ")
+    """The GPU a profile ran on, short: "H200" (`planner.card_of` without the vendor)."""
+    return card_of(prof).removeprefix("NVIDIA ")
 
 
 def group_size_e2e(prof: dict):
@@ -452,16 +453,15 @@ def refresh_period_e2e(prof: dict):
     ms per round, tau and tokens/s against the refresh period P, one line per tree (each point the mean over the
     profiled prompts)."""
     rows = [r for rs in prof["buckets"].values() for r in rs]
-    trees = sorted({(r["policy"]["budget"], r["policy"]["depth"]) for r in rows})
+    tree = lambda r: (r["policy"]["budget"], r["policy"]["depth"])  # noqa: E731
+    period = lambda r: r["policy"]["schedule"] or 1  # noqa: E731  (no schedule: every layer refreshes)
     fig, axes = plt.subplots(1, 3, figsize=(11.4, 3.6))
-    for j, (b, d) in enumerate(trees):
-        rs = sorted((r for r in rows if (r["policy"]["budget"], r["policy"]["depth"]) == (b, d)),
-                    key=lambda r: r["policy"]["schedule"] or 1)
-        ps = [r["policy"]["schedule"] or 1 for r in rs]
+    for j, (b, d) in enumerate(sorted({tree(r) for r in rows})):
+        rs = sorted((r for r in rows if tree(r) == (b, d)), key=period)
         for ax, key in zip(axes, ("round_ms", "tau", "tokens_per_s")):
-            ax.plot(ps, [r[key] for r in rs], "o-", color=f"C{j}", label=f"{b} nodes, depth {d}")
+            ax.plot([period(r) for r in rs], [r[key] for r in rs], "o-", color=f"C{j}", label=f"{b} nodes, depth {d}")
     for ax, ylabel in zip(axes, ("ms per round", "τ (tokens per round)", "tokens/s")):
-        _log_ticks(ax, sorted({r["policy"]["schedule"] or 1 for r in rows}))
+        _log_ticks(ax, sorted({period(r) for r in rows}))
         ax.set(xlabel="refresh period P (1: every layer routes)", ylabel=ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)

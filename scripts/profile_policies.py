@@ -130,15 +130,14 @@ def main(argv=None):
     ap.add_argument("--backend", default="reference", choices=["reference", "kernel"])
     ap.add_argument("--out", default=DEFAULT_PROFILE, help="where the ranking JSON goes (default: the one "
                     "policy=\"auto\" reads, planner.DEFAULT_PROFILE)")
-    ap.add_argument("--show", nargs="+", metavar="PROFILE",
+    only = ap.add_mutually_exclusive_group()  # each reads files, writes or prints, and exits
+    only.add_argument("--show", nargs="+", metavar="PROFILE",
                     help="print the summary of existing profile files (the first policy of each bucket and how "
                          "clearly it leads the runner-up) and exit; runs nothing")
-    ap.add_argument("--merge", nargs="+", metavar="FILE[:BUCKETS]",
+    only.add_argument("--merge", nargs="+", metavar="FILE[:BUCKETS]",
                     help="write one profile (--out) from the buckets of profiles of one card and model, and exit; "
                          "FILE:16K takes only that bucket of FILE (FILE:8K,16K several); runs nothing")
     a = ap.parse_args(argv)
-    if a.show and a.merge:
-        ap.error("--show and --merge are exclusive; accepted: one of them")
     if a.merge:
         try:
             prof = merge_profiles(merge_sources(a.merge))

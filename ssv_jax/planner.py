@@ -110,8 +110,10 @@ def save_profile(path: str, buckets: dict, *, hardware: str, model: str, prompts
     return prof
 
 
-def _card(prof: dict) -> str:
-    return str(prof.get("hardware", "")).split(" (")[0]  # "NVIDIA H200 (x86_64, jax ...)" -> "NVIDIA H200"
+def card_of(prof: dict) -> str:
+    """The GPU a profile was measured on, from its `hardware` field ("NVIDIA H200 (x86_64, jax ...)" ->
+    "NVIDIA H200")."""
+    return str(prof.get("hardware", "")).split(" (")[0]
 
 
 def merge_profiles(sources: list) -> dict:
@@ -136,9 +138,9 @@ def merge_profiles(sources: list) -> dict:
         missing = [b for b in want if b not in have]
         if missing:
             raise ProfileError(f"policy profile {name!r} has no bucket {missing[0]!r}; accepted: one of {have}")
-        if _card(prof) != _card(first):
-            raise ProfileError(f"policy profile {name!r} was measured on {_card(prof)!r}, {first_name!r} on "
-                               f"{_card(first)!r}; accepted: profiles of one card (cards rank policies differently)")
+        if card_of(prof) != card_of(first):
+            raise ProfileError(f"policy profile {name!r} was measured on {card_of(prof)!r}, {first_name!r} on "
+                               f"{card_of(first)!r}; accepted: profiles of one card (cards rank policies differently)")
         if prof.get("model") != first.get("model"):
             raise ProfileError(f"policy profile {name!r} is for model {prof.get('model')!r}, {first_name!r} for "
                                f"{first.get('model')!r}; accepted: profiles of one model")
@@ -326,9 +328,8 @@ class Planner:
             return b, self.ranking[b]
         # nearest bucket that has a ranking
         keys = list(self.ranking)
-        order = list(BUCKET_KEYS)
-        i = order.index(b)
-        best = min(keys, key=lambda k: abs(order.index(k) - i) if k in order else 99)
+        i = BUCKET_KEYS.index(b)
+        best = min(keys, key=lambda k: abs(BUCKET_KEYS.index(k) - i) if k in BUCKET_KEYS else 99)
         return best, self.ranking[best]
 
     def initial(self, prompt_len: int) -> SSVPolicy:
