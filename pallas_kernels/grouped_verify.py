@@ -226,8 +226,7 @@ def fused_call(q, q_pos, k, v, kv_len, sel, cfg: ModelConfig, extra: nsa.Extra |
     has_x = extra is not None and extra.k.shape[1] > 0
     has_xc = has_cmp and extra is not None and extra.ck.shape[1] > 0
     if nsplit is None:
-        # Work per program: mode A walks the group's C*n entries, mode B only the first query's n blocks
-        # (sized by C*n, mode B's C=4 point gave each split one block and ran 11 % slower: probe_mode_b_s50_h100).
+        # Blocks a program walks: the group's C*n entries in mode A, the first query's n in mode B (DESIGN_NOTES).
         nsplit = 1 if (gates is not None or has_cmp) else split_count(B * H * ng, (1 if shared else c) * cfg.n_slc)
     gated = gates is not None and nsplit == 1
     direct = c * G == mp and (DIRECT_IO[0] if direct_io is None else direct_io)
