@@ -94,7 +94,7 @@ class Point:
         return sel_u + win + cmp_ + self.gates[0].size * 2
 
 
-_EMPTY: dict = {}
+_EMPTY: dict = {}  # (n, input signature) -> the jitted empty loop, compiled once
 
 
 def _loop(body, n: int):
@@ -109,24 +109,30 @@ def _loop(body, n: int):
     return loop
 
 
-def _measure(loop, static, rot, n: int, repeats: int) -> float:
-    jax.block_until_ready(loop(static, rot))  # compile + warm up
+def _measure_pair(full, empty, static, rot, n: int, repeats: int) -> tuple[float, float, float]:
+    """(net, full, empty) µs per call: each repeat times the full loop and then the empty one, so a drift in clocks
+    or host load between repeats hits both; net is the median of the per-repeat differences."""
+    for loop in (full, empty):
+        jax.block_until_ready(loop(static, rot))  # compile + warm up
     ts = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(static, rot))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / n * 1e6
+        pair = []
+        for loop in (full, empty):
+            t0 = time.perf_counter()
+            jax.block_until_ready(loop(static, rot))
+            pair.append((time.perf_counter() - t0) / n * 1e6)
+        ts.append(pair)
+    return (statistics.median(f - e for f, e in ts), statistics.median(f for f, _ in ts),
+            statistics.median(e for _, e in ts))
 
 
 def time_loop(fn, static_args, rot_args, n: int = 100, repeats: int = 5):
-    """(net, loop, empty-loop) µs per call of fn(*rot_args[i % R], *static_args) run n times inside one jit; the
-    empty loop (rotation slicing only) is measured once per input signature."""
-    full = _measure(_loop(lambda cur, st: fn(*cur, *st), n), static_args, rot_args, n, repeats)
+    """(net, loop, empty-loop) µs per call of fn(*rot_args[i % R], *static_args) run n times inside one jit. The
+    empty loop (rotation slicing only) is timed in every repeat beside the full one (`_measure_pair`)."""
     key = (n, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(rot_args)))
     if key not in _EMPTY:
-        _EMPTY[key] = _measure(_loop(lambda cur, st: cur[0], n), static_args, rot_args, n, repeats)
-    return full - _EMPTY[key], full, _EMPTY[key]
+        _EMPTY[key] = _loop(lambda cur, st: cur[0], n)
+    return _measure_pair(_loop(lambda cur, st: fn(*cur, *st), n), _EMPTY[key], static_args, rot_args, n, repeats)
 
 
 def count_launches(fn, *args, compiled: bool):
@@ -295,12 +301,11 @@ def bench_fla(T: int, n: int, log) -> dict:
 
 def time_unrolled(fn, static_args, rot_args, n: int = 32, repeats: int = 10):
     """Second timing method: n independent calls unrolled in one jit (no while loop, rotation by static
-    indexing), host wall clock, median, minus the same jit returning only the rotated inputs; per call."""
+    indexing), host wall clock, minus the same jit returning only the rotated inputs (`_measure_pair`); per call."""
     def make(body):
         return jax.jit(lambda st, rot: [body(tuple(x[i % R] for x in rot), st) for i in range(n)])
-    full = _measure(make(lambda cur, st: fn(*cur, *st)), static_args, rot_args, n, repeats)
-    empty = _measure(make(lambda cur, st: cur[0]), static_args, rot_args, n, repeats)
-    return full - empty, full, empty
+    return _measure_pair(make(lambda cur, st: fn(*cur, *st)), make(lambda cur, st: cur[0]), static_args, rot_args,
+                         n, repeats)
 
 
 def tune(p: Point, log, budget_end: float) -> list:
@@ -431,8 +436,8 @@ def main():
                "name", "n_heads", "n_kv_heads", "head_dim", "cmp_len", "cmp_stride", "slc_block", "n_slc", "window")},
            "dtype": "bfloat16", "batch": 1, "extra_keys": "none (no in-tree keys)",
            "timing_method": f"N={args.n} calls inside one jit (lax.fori_loop over R={R} rotated (q, sel, q_pos, "
-                            "gates) sets), host wall clock around block_until_ready, median of 5 repeats, minus the "
-                            "same loop with an empty body (us_empty_loop), divided by N",
+                            "gates) sets), host wall clock around block_until_ready, divided by N, minus the same loop with "
+                            "an empty body timed beside it in each repeat (us_empty_loop); median over 5 repeats",
            "copy_ceiling_GBps": COPY_GBPS, "rows": []}
 
     def save():

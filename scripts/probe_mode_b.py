@@ -47,7 +47,8 @@ def main():
     res = {"machine": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python", "scripts/probe_mode_b.py"] + sys.argv[1:]), "Q": 16, "gamma": 0.75,
-           "timing": "bench_kernels.time_loop: N calls in one jit over R rotated inputs, minus the empty loop",
+           "timing": "bench_kernels.time_loop: N calls in one jit over R rotated inputs, minus the empty loop "
+                     "timed beside it in each repeat (since session 51; us_loop, us_empty_loop)",
            "plan": "seeds outer, contexts inner, then the first (context, seed) again", "rows": [], "skipped": []}
     t0 = time.time()
     for T, seed in plan:
@@ -62,9 +63,9 @@ def main():
 
             def fn(q, s, t, g, k, v, kc, vc, kl, mode=mode, C=C, ns=ns):
                 return grouped_verify(q, t, k, v, kl, s, cfg, mode=mode, group_size=C, nsplit=ns)
-            us, _, _ = time_loop(fn, static, rot, n=args.n)
+            us, loop, empty = time_loop(fn, static, rot, n=args.n)
             res["rows"].append(dict(T=T, seed=seed, kernel=f"grouped_{mode}", C=C, nsplit=ns, split_rule=rule,
-                                    us=round(us, 2)))
+                                    us=round(us, 2), us_loop=round(loop, 2), us_empty_loop=round(empty, 2)))
             print(f"T={T:6d} seed={seed} grouped_{mode} C={C} nsplit={ns:2d} ({rule}): {us:7.2f} us", flush=True)
         del p
     res["wall_s"] = round(time.time() - t0, 1)

@@ -816,3 +816,27 @@ def test_schedule_quality_names_a_bad_period(capsys):
     with pytest.raises(SystemExit):
         _script("schedule_quality").main(["--random-preset", "tiny", "--periods", "1", "8"])
     assert "--periods: refresh period P=8 is invalid" in capsys.readouterr().err
+
+
+def test_kernel_timing_measures_the_empty_loop_beside_every_repeat_of_the_full_one(monkeypatch):
+    """A clock that drifts between repeats must not leak into the net per-call time: each repeat times the full loop
+    and then the empty loop, and the net figure is the median of the per-repeat differences."""
+    bk = _script("bench_kernels")
+    n, per_call_us, drift_us = 10, 3.0, iter([0.0, 0.0, 40.0, 40.0, 7.0, 7.0, 90.0, 90.0, 1.0, 1.0])
+    clock, calls = [0.0], []
+
+    def fake_loop(name, cost_us):
+        def loop(static, rot):
+            calls.append(name)
+            if len(calls) > 2:  # after both warm-ups, every timed call advances the clock
+                clock[0] += (next(drift_us) + cost_us * n) * 1e-6
+            return np.zeros(1)
+        return loop
+
+    monkeypatch.setattr(bk.time, "perf_counter", lambda: clock[0])
+    net, full, empty = bk._measure_pair(fake_loop("full", 5.0 + per_call_us), fake_loop("empty", 5.0), None, None,
+                                        n, repeats=5)
+    assert calls == ["full", "empty"] + ["full", "empty"] * 5
+    assert net == pytest.approx(per_call_us)
+    assert full - empty == pytest.approx(per_call_us)
+    assert full > 5.0 + per_call_us and empty > 5.0  # the drift is in both figures, only the difference drops it
