@@ -15,7 +15,10 @@ TopK and the rank fusion at the routing and draft-tree shapes (`scripts/bench_to
 
 Timing: N calls inside one jit (`lax.fori_loop` over R rotated (q, sel, q_pos, gates) sets, so L2 does not keep
 one set's blocks), host wall clock around `block_until_ready`, median of repeats, minus the same loop with an
-empty body (the rotation slicing), divided by N. fla: CUDA events around N calls over rotated index sets.
+empty body (the rotation slicing) timed beside it in each repeat, divided by N. That difference of wall clocks
+carries an error of a few µs (DESIGN_NOTES, "Timing short kernels"); `--traced` adds each kernel's GPU busy time
+from a profiler trace of the same loop (`gpu_busy_us`), which has no host time in it. fla: CUDA events around N
+calls over rotated index sets, issued eagerly and replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -35,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pallas_kernels._common import DIRECT_IO  # noqa: E402
-from ssv_jax import nsa  # noqa: E402
+from ssv_jax import nsa, timing  # noqa: E402
 from ssv_jax.config import get_config  # noqa: E402
 from scripts.bench_topn import TIMING as TOPN_TIMING, run as bench_top_n  # noqa: E402
 
@@ -135,6 +139,32 @@ def time_loop(fn, static_args, rot_args, n: int = 100, repeats: int = 5):
     return _measure_pair(_loop(lambda cur, st: fn(*cur, *st), n), _EMPTY[key], static_args, rot_args, n, repeats)
 
 
+def _round(x, nd: int = 2):
+    return None if x is None else round(x, nd)
+
+
+_EMPTY_BUSY: dict = {}  # (n, input signature) -> the empty loop's traced GPU busy µs per iteration
+
+
+def gpu_busy_us(fn, static_args, rot_args, n: int = 100) -> float | None:
+    """GPU busy µs per call of fn from a profiler trace of `time_loop`'s loop, minus the empty loop's busy time;
+    None where the trace has no GPU (CPU). Host time and launch gaps are not in it, so unlike `time_loop`'s
+    difference of wall clocks it resolves kernels of a few µs (DESIGN_NOTES, "Timing short kernels")."""
+    key = (n, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(rot_args)))
+    _EMPTY.setdefault(key, _loop(lambda cur, st: cur[0], n))
+
+    def busy(loop):
+        jax.block_until_ready(loop(static_args, rot_args))  # compile outside the trace
+        with tempfile.TemporaryDirectory() as d:
+            procs = timing.op_summary(timing.traced_gpu_ops(lambda: loop(static_args, rot_args), d), per=n)
+        return next(iter(procs.values()))["total_us"] if procs else None
+
+    if key not in _EMPTY_BUSY:
+        _EMPTY_BUSY[key] = busy(_EMPTY[key])
+    full = busy(_loop(lambda cur, st: fn(*cur, *st), n))
+    return None if full is None or _EMPTY_BUSY[key] is None else full - _EMPTY_BUSY[key]
+
+
 def count_launches(fn, *args, compiled: bool):
     """(Pallas launches in the lowered module, kernel-like ops in the compiled HLO or None)."""
     low = jax.jit(fn).lower(*args)
@@ -173,10 +203,10 @@ def kernels(cfg, group_size: int):
     }
 
 
-def bench_point(p: Point, group_size: int, names, n: int, rows: list, log):
+def bench_point(p: Point, group_size: int, names, n: int, rows: list, log, traced: bool = False):
     """Time every kernel in `names` at one grid point (rotating `n` input sets inside one jit) and append
-    a row per kernel to `rows`: µs, unique bytes, GB/s against the copy ceiling, launches; a failure is recorded as
-    a row with `error`."""
+    a row per kernel to `rows`: µs, unique bytes, GB/s against the copy ceiling, launches, and with `traced` the
+    traced GPU busy µs (`gpu_busy_us`); a failure is recorded as a row with `error`."""
     ks = kernels(p.cfg, group_size)
     rot = (p.q, p.sel, p.q_pos, p.gates)
     static = (p.k, p.v, p.kc, p.vc, p.kv_len)
@@ -209,6 +239,8 @@ def bench_point(p: Point, group_size: int, names, n: int, rows: list, log):
                    direct_io=DIRECT_IO[0])
         if not layer:
             row.update(per_group_unique_bytes=b_group, per_group_floor_us=round(b_group / COPY_GBPS / 1e3, 2))
+        if traced:
+            row["gpu_busy_us"] = _round(gpu_busy_us(fn, static, rot, n=n))
         rows.append(row)
         log(f"{name:18s} T={p.T:6d} Q={p.Q:3d} C={group_size} g={p.gamma:.2f} {us:8.2f} us  "
             f"{row['GBps']:7.1f} GB/s  floor {row['floor_us']:6.2f} us  launches {launches}")
@@ -254,7 +286,7 @@ def torch_median_us(run, n: int, repeats: int = 5) -> float:
     return round(statistics.median(times), 2)
 
 
-def bench_fla(T: int, n: int, log) -> dict:
+def bench_fla(T: int, n: int, log, traced: bool = False) -> dict:
     """fla's parallel_nsa_fwd vs our grouped A at fla's shape (HQ=64, H=4, D=128, n=16, l'=64, TQ=16)."""
     cfg = get_config("llama31-8b-nsa").replace(n_heads=64, n_kv_heads=4)
     TQ, H = 16, 4
@@ -270,6 +302,8 @@ def bench_fla(T: int, n: int, log) -> dict:
     for C in (1, 4, 16):
         f = lambda q, s, t, k, v, kl, C=C: grouped_verify(q, t, k, v, kl, s, cfg, mode="A", group_size=C)  # noqa
         res[f"ours_grouped_A_C{C}_us"] = round(time_loop(f, (k, v, kl), (q, sel, qp), n=n)[0], 2)
+        if traced:
+            res[f"ours_grouped_A_C{C}_gpu_busy_us"] = _round(gpu_busy_us(f, (k, v, kl), (q, sel, qp), n=n))
     f = lambda q, s, t, k, v, kl: naive_verify(q, t, k, v, kl, s, cfg)  # noqa: E731
     res["ours_naive_us"] = round(time_loop(f, (k, v, kl), (q, sel, qp), n=n)[0], 2)
     try:
@@ -293,6 +327,9 @@ def bench_fla(T: int, n: int, log) -> dict:
             calls()
         res["fla_parallel_nsa_fwd_us"] = torch_median_us(graph.replay, n)
         res["speedup_ours_A_C4_vs_fla"] = round(res["fla_parallel_nsa_fwd_us"] / res["ours_grouped_A_C4_us"], 2)
+        if res.get("ours_grouped_A_C4_gpu_busy_us"):
+            res["speedup_ours_A_C4_gpu_busy_vs_fla"] = round(
+                res["fla_parallel_nsa_fwd_us"] / res["ours_grouped_A_C4_gpu_busy_us"], 2)
     except Exception as e:  # noqa: BLE001
         res["fla_error"] = repr(e)[:400]
     log(f"fla comparison: {res}")
@@ -410,6 +447,8 @@ def main():
     ap.add_argument("--summarize", action="store_true", help="(re)compute the targets summary of --out")
     ap.add_argument("--lower-only", action="store_true", help="lower every config for CUDA (CPU) and exit")
     ap.add_argument("--n", type=int, default=100, help="calls per timed loop")
+    ap.add_argument("--traced", action="store_true",
+                    help="also record each kernel's traced GPU busy µs per call (gpu_busy_us; one profiler trace a row)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new points after this long")
     args = ap.parse_args()
     cfg = get_config("llama31-8b-nsa")
@@ -462,10 +501,10 @@ def main():
     if args.smoke:
         res["correctness_bf16_rel_rms"].append(check_correctness(cfg, 65536, 16, log))
         p = Point(cfg, 65536, 16, 0.75)
-        bench_point(p, 4, main_names + ["xla_ref_layer"], args.n, res["rows"], log)
+        bench_point(p, 4, main_names + ["xla_ref_layer"], args.n, res["rows"], log, args.traced)
         res["grid"] = "smoke: T=64K, Q=16, C=4, gamma=0.75"
         res["tuning"] = tune(p, log, time.time() + args.budget_s)
-        res["fla"] = bench_fla(65536, args.n, log)
+        res["fla"] = bench_fla(65536, args.n, log, args.traced)
         save()
         return
     res["grid"] = ("pruned: T in {8K,16K,32K,64K,128K} x Q in {4,16,64} at C=4 (C=Q for Q=4 is one group), "
@@ -473,7 +512,7 @@ def main():
                    "and the split reuse variant at Q=16, T>=64K); the full C sweep {1,2,4,8} only at T=64K for Q in "
                    "{16,64} (grouped A/B, reuse); the gamma sweep {0.5,0.75,0.9} only at T=64K, Q=16, C=4 (naive, "
                    "grouped A/B); points are skipped (listed in 'skipped') once --budget-s is spent")
-    res["fla"] = bench_fla(65536, args.n, log)
+    res["fla"] = bench_fla(65536, args.n, log, args.traced)
     res["top_n"] = dict(rows=bench_top_n(log=log), timing=TOPN_TIMING)  # routing's and the draft tree's top-n
     save()
     parts = ["reuse_layer_split4", "refresh_part_cmp_kernel", "refresh_part_cmp_route", "refresh_part_slc_win"]
@@ -495,7 +534,7 @@ def main():
         if point is None or (point.T, point.Q, point.gamma) != (T, Q, gam):
             point = None
             point = Point(cfg, T, Q, gam)
-        bench_point(point, C, names, args.n, res["rows"], log)
+        bench_point(point, C, names, args.n, res["rows"], log, args.traced)
         save()
     res["targets"] = summarize(res)
     save()

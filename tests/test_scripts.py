@@ -840,3 +840,28 @@ def test_kernel_timing_measures_the_empty_loop_beside_every_repeat_of_the_full_o
     assert net == pytest.approx(per_call_us)
     assert full - empty == pytest.approx(per_call_us)
     assert full > 5.0 + per_call_us and empty > 5.0  # the drift is in both figures, only the difference drops it
+
+
+def test_traced_kernel_time_is_the_loops_gpu_busy_time_less_the_empty_loops(monkeypatch):
+    """`gpu_busy_us` reads GPU busy time from a profiler trace of the timed loop, subtracts the empty loop's (traced
+    once per input signature), and divides by the calls; with no GPU in the trace (CPU) it says so with None."""
+    import jax.numpy as jnp
+    bk = _script("bench_kernels")
+    n, rot, static = 10, (jnp.ones((bk.R, 4, 4)),), (jnp.ones((4, 4)),)
+    assert bk.gpu_busy_us(lambda q, w: q @ w, static, rot, n=n) is None  # this machine's trace has no GPU
+
+    empty_ops = {"dynamic-slice": [20.0, 10], "loop-cond": [10.0, 10]}  # 3 µs an iteration
+    traces = iter([{"/device:GPU:0 (H100)": empty_ops},
+                   {"/device:GPU:0 (H100)": {**empty_ops, "grouped_verify_kernel": [42.0, 10], "fusion.7": [8.0, 10]}},
+                   {"/device:GPU:0 (H100)": {**empty_ops, "naive_verify_kernel": [70.0, 10]}}])
+    traced = []
+
+    def fake_trace(fn, trace_dir):
+        traced.append(fn())
+        return next(traces)
+
+    monkeypatch.setattr(bk.timing, "traced_gpu_ops", fake_trace)
+    monkeypatch.setattr(bk, "_EMPTY_BUSY", {})
+    assert bk.gpu_busy_us(lambda q, w: q @ w, static, rot, n=n) == pytest.approx(5.0)  # kernel 4.2 + combine 0.8
+    assert bk.gpu_busy_us(lambda q, w: q + w, static, rot, n=n) == pytest.approx(7.0)
+    assert len(traced) == 3  # the empty loop was traced once for both kernels
