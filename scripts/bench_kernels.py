@@ -14,8 +14,8 @@ our grouped kernel on the same data (torch + DLPack). The top-n kernel (`pallas_
 TopK and the rank fusion at the routing and draft-tree shapes (`scripts/bench_topn.py`, also alone).
 
 Timing: N calls inside one jit (`lax.fori_loop` over R rotated (q, sel, q_pos, gates) sets, so L2 does not keep
-one set's blocks), host wall clock around `block_until_ready`, median of repeats, minus the same loop with an
-empty body (the rotation slicing) timed beside it in each repeat, divided by N. That difference of wall clocks
+one set's blocks), host wall clock around `block_until_ready`, minus the same loop with an empty body (the
+rotation slicing) timed beside it in each repeat, divided by N, median of repeats. That difference of wall clocks
 carries an error of a few µs (DESIGN_NOTES, "Timing short kernels"); `--traced` adds each kernel's GPU busy time
 from a profiler trace of the same loop (`gpu_busy_us`), which has no host time in it. fla: CUDA events around N
 calls over rotated index sets, issued eagerly and replayed from a CUDA graph.
@@ -130,13 +130,19 @@ def _measure_pair(full, empty, static, rot, n: int, repeats: int) -> tuple[float
             statistics.median(e for _, e in ts))
 
 
-def time_loop(fn, static_args, rot_args, n: int = 100, repeats: int = 5):
-    """(net, loop, empty-loop) µs per call of fn(*rot_args[i % R], *static_args) run n times inside one jit. The
-    empty loop (rotation slicing only) is timed in every repeat beside the full one (`_measure_pair`)."""
+def _empty_loop(rot_args, n: int):
+    """(key, loop): the jitted loop of n iterations that only slices the rotated inputs, one per input signature."""
     key = (n, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(rot_args)))
     if key not in _EMPTY:
         _EMPTY[key] = _loop(lambda cur, st: cur[0], n)
-    return _measure_pair(_loop(lambda cur, st: fn(*cur, *st), n), _EMPTY[key], static_args, rot_args, n, repeats)
+    return key, _EMPTY[key]
+
+
+def time_loop(fn, static_args, rot_args, n: int = 100, repeats: int = 5):
+    """(net, loop, empty-loop) µs per call of fn(*rot_args[i % R], *static_args) run n times inside one jit. The
+    empty loop (rotation slicing only) is timed in every repeat beside the full one (`_measure_pair`)."""
+    return _measure_pair(_loop(lambda cur, st: fn(*cur, *st), n), _empty_loop(rot_args, n)[1], static_args,
+                         rot_args, n, repeats)
 
 
 def _round(x, nd: int = 2):
@@ -150,8 +156,7 @@ def gpu_busy_us(fn, static_args, rot_args, n: int = 100) -> float | None:
     """GPU busy µs per call of fn from a profiler trace of `time_loop`'s loop, minus the empty loop's busy time;
     None where the trace has no GPU (CPU). Host time and launch gaps are not in it, so unlike `time_loop`'s
     difference of wall clocks it resolves kernels of a few µs (DESIGN_NOTES, "Timing short kernels")."""
-    key = (n, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(rot_args)))
-    _EMPTY.setdefault(key, _loop(lambda cur, st: cur[0], n))
+    key, empty = _empty_loop(rot_args, n)
 
     def busy(loop):
         jax.block_until_ready(loop(static_args, rot_args))  # compile outside the trace
@@ -160,7 +165,7 @@ def gpu_busy_us(fn, static_args, rot_args, n: int = 100) -> float | None:
         return next(iter(procs.values()))["total_us"] if procs else None
 
     if key not in _EMPTY_BUSY:
-        _EMPTY_BUSY[key] = busy(_EMPTY[key])
+        _EMPTY_BUSY[key] = busy(empty)
     full = busy(_loop(lambda cur, st: fn(*cur, *st), n))
     return None if full is None or _EMPTY_BUSY[key] is None else full - _EMPTY_BUSY[key]
 
