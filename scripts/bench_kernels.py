@@ -98,7 +98,7 @@ class Point:
         return sel_u + win + cmp_ + self.gates[0].size * 2
 
 
-_EMPTY: dict = {}  # (n, input signature) -> the jitted empty loop, compiled once
+_LOOPS: dict = {}  # (fn, n, input signature) -> its jitted timing loop, so each is compiled once
 
 
 def _loop(body, n: int):
@@ -130,33 +130,34 @@ def _measure_pair(full, empty, static, rot, n: int, repeats: int) -> tuple[float
             statistics.median(e for _, e in ts))
 
 
-def _empty_loop(rot_args, n: int):
-    """(key, loop): the jitted loop of n iterations that only slices the rotated inputs, one per input signature."""
-    key = (n, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(rot_args)))
-    if key not in _EMPTY:
-        _EMPTY[key] = _loop(lambda cur, st: cur[0], n)
-    return key, _EMPTY[key]
+def _timing_loop(fn, rot_args, n: int):
+    """The jitted loop of n calls of fn(*rot_args[i % R], *static_args); fn None gives the empty loop, which only
+    slices the rotated inputs. One per (fn, n, input signature), so timing and tracing share its compilation."""
+    key = (fn, n, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(rot_args)))
+    if key not in _LOOPS:
+        _LOOPS[key] = _loop((lambda cur, st: cur[0]) if fn is None else (lambda cur, st: fn(*cur, *st)), n)
+    return _LOOPS[key]
 
 
 def time_loop(fn, static_args, rot_args, n: int = 100, repeats: int = 5):
     """(net, loop, empty-loop) µs per call of fn(*rot_args[i % R], *static_args) run n times inside one jit. The
     empty loop (rotation slicing only) is timed in every repeat beside the full one (`_measure_pair`)."""
-    return _measure_pair(_loop(lambda cur, st: fn(*cur, *st), n), _empty_loop(rot_args, n)[1], static_args,
-                         rot_args, n, repeats)
+    return _measure_pair(_timing_loop(fn, rot_args, n), _timing_loop(None, rot_args, n), static_args, rot_args, n,
+                         repeats)
 
 
 def _round(x, nd: int = 2):
     return None if x is None else round(x, nd)
 
 
-_EMPTY_BUSY: dict = {}  # (n, input signature) -> the empty loop's traced GPU busy µs per iteration
+_EMPTY_BUSY: dict = {}  # empty timing loop -> its traced GPU busy µs per iteration
 
 
 def gpu_busy_us(fn, static_args, rot_args, n: int = 100) -> float | None:
     """GPU busy µs per call of fn from a profiler trace of `time_loop`'s loop, minus the empty loop's busy time;
     None where the trace has no GPU (CPU). Host time and launch gaps are not in it, so unlike `time_loop`'s
     difference of wall clocks it resolves kernels of a few µs (DESIGN_NOTES, "Timing short kernels")."""
-    key, empty = _empty_loop(rot_args, n)
+    empty = _timing_loop(None, rot_args, n)
 
     def busy(loop):
         jax.block_until_ready(loop(static_args, rot_args))  # compile outside the trace
@@ -164,10 +165,10 @@ def gpu_busy_us(fn, static_args, rot_args, n: int = 100) -> float | None:
             procs = timing.op_summary(timing.traced_gpu_ops(lambda: loop(static_args, rot_args), d), per=n)
         return next(iter(procs.values()))["total_us"] if procs else None
 
-    if key not in _EMPTY_BUSY:
-        _EMPTY_BUSY[key] = busy(empty)
-    full = busy(_loop(lambda cur, st: fn(*cur, *st), n))
-    return None if full is None or _EMPTY_BUSY[key] is None else full - _EMPTY_BUSY[key]
+    if empty not in _EMPTY_BUSY:
+        _EMPTY_BUSY[empty] = busy(empty)
+    full = busy(_timing_loop(fn, rot_args, n))
+    return None if full is None or _EMPTY_BUSY[empty] is None else full - _EMPTY_BUSY[empty]
 
 
 def count_launches(fn, *args, compiled: bool):
