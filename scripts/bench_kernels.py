@@ -17,8 +17,9 @@ Timing: N calls inside one jit (`lax.fori_loop` over R rotated (q, sel, q_pos, g
 one set's blocks), host wall clock around `block_until_ready`, minus the same loop with an empty body (the
 rotation slicing) timed beside it in each repeat, divided by N, median of repeats. That difference of wall clocks
 carries an error of a few µs (DESIGN_NOTES, "Timing short kernels"); `--traced` adds each kernel's GPU busy time
-from a profiler trace of the same loop (`gpu_busy_us`), which has no host time in it. fla: CUDA events around N
-calls over rotated index sets, issued eagerly and replayed from a CUDA graph.
+from a profiler trace of the same loop (`gpu_busy`), which has no host time in it. fla: CUDA events around N
+calls over rotated index sets, issued eagerly and replayed from a CUDA graph, and with `--traced` its kernels' busy
+time from a torch profiler trace (`torch_gpu_busy_us`).
 """
 
 from __future__ import annotations
@@ -132,10 +133,11 @@ def _measure_pair(full, empty, static, rot, n: int, repeats: int) -> tuple[float
 
 def _timing_loop(fn, rot_args, n: int):
     """The jitted loop of n calls of fn(*rot_args[i % R], *static_args); fn None gives the empty loop, which only
-    slices the rotated inputs. One per (fn, n, input signature), so timing and tracing share its compilation."""
+    slices every rotated input (as the full loop must before its call), so subtracting it leaves fn's own work.
+    One per (fn, n, input signature), so timing and tracing share its compilation."""
     key = (fn, n, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(rot_args)))
     if key not in _LOOPS:
-        _LOOPS[key] = _loop((lambda cur, st: cur[0]) if fn is None else (lambda cur, st: fn(*cur, *st)), n)
+        _LOOPS[key] = _loop((lambda cur, st: cur) if fn is None else (lambda cur, st: fn(*cur, *st)), n)
     return _LOOPS[key]
 
 
@@ -146,29 +148,46 @@ def time_loop(fn, static_args, rot_args, n: int = 100, repeats: int = 5):
                          repeats)
 
 
-def _round(x, nd: int = 2):
-    return None if x is None else round(x, nd)
-
-
 _EMPTY_BUSY: dict = {}  # empty timing loop -> its traced GPU busy µs per iteration
 
 
-def gpu_busy_us(fn, static_args, rot_args, n: int = 100) -> float | None:
-    """GPU busy µs per call of fn from a profiler trace of `time_loop`'s loop, minus the empty loop's busy time;
-    None where the trace has no GPU (CPU). Host time and launch gaps are not in it, so unlike `time_loop`'s
-    difference of wall clocks it resolves kernels of a few µs (DESIGN_NOTES, "Timing short kernels")."""
+def gpu_busy(fn, static_args, rot_args, n: int = 100) -> dict | None:
+    """Traced GPU busy µs per call of fn, from a profiler trace of `time_loop`'s loop: `gpu_busy_us`, all of the
+    loop's GPU time minus the empty loop's (fn's kernels and any XLA ops around them), and `gpu_busy_nsa_kernel_us`,
+    the time in our Pallas kernels alone (`timing.op_category`). None where the trace has no GPU (CPU). Host time and
+    launch gaps are in neither, so unlike `time_loop`'s difference of wall clocks they resolve kernels of a few µs
+    (DESIGN_NOTES, "Timing short kernels")."""
     empty = _timing_loop(None, rot_args, n)
 
     def busy(loop):
         jax.block_until_ready(loop(static_args, rot_args))  # compile outside the trace
         with tempfile.TemporaryDirectory() as d:
             procs = timing.op_summary(timing.traced_gpu_ops(lambda: loop(static_args, rot_args), d), per=n)
-        return next(iter(procs.values()))["total_us"] if procs else None
+        return next(iter(procs.values())) if procs else None
 
     if empty not in _EMPTY_BUSY:
         _EMPTY_BUSY[empty] = busy(empty)
     full = busy(_timing_loop(fn, rot_args, n))
-    return None if full is None or _EMPTY_BUSY[empty] is None else full - _EMPTY_BUSY[empty]
+    if full is None or _EMPTY_BUSY[empty] is None:
+        return None
+    return dict(gpu_busy_us=round(full["total_us"] - _EMPTY_BUSY[empty]["total_us"], 2),
+                gpu_busy_nsa_kernel_us=full["nsa_kernel"]["us"])
+
+
+def torch_gpu_busy_us(run, n: int) -> float:
+    """GPU busy µs per call of run() (which issues n calls): the summed durations of the kernels, copies and sets
+    in a torch profiler trace, so that, like `gpu_busy`, it holds no launch gaps or host time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(os.path.join(d, "t.json"))
+        with open(os.path.join(d, "t.json")) as f:
+            evs = json.load(f)["traceEvents"]
+    return round(sum(e["dur"] for e in evs if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy",
+                                                                                     "gpu_memset")) / n, 2)
 
 
 def count_launches(fn, *args, compiled: bool):
@@ -212,7 +231,7 @@ def kernels(cfg, group_size: int):
 def bench_point(p: Point, group_size: int, names, n: int, rows: list, log, traced: bool = False):
     """Time every kernel in `names` at one grid point (rotating `n` input sets inside one jit) and append
     a row per kernel to `rows`: µs, unique bytes, GB/s against the copy ceiling, launches, and with `traced` the
-    traced GPU busy µs (`gpu_busy_us`); a failure is recorded as a row with `error`."""
+    traced GPU busy µs (`gpu_busy`); a failure is recorded as a row with `error`."""
     ks = kernels(p.cfg, group_size)
     rot = (p.q, p.sel, p.q_pos, p.gates)
     static = (p.k, p.v, p.kc, p.vc, p.kv_len)
@@ -246,7 +265,7 @@ def bench_point(p: Point, group_size: int, names, n: int, rows: list, log, trace
         if not layer:
             row.update(per_group_unique_bytes=b_group, per_group_floor_us=round(b_group / COPY_GBPS / 1e3, 2))
         if traced:
-            row["gpu_busy_us"] = _round(gpu_busy_us(fn, static, rot, n=n))
+            row.update(gpu_busy(fn, static, rot, n=n) or {})
         rows.append(row)
         log(f"{name:18s} T={p.T:6d} Q={p.Q:3d} C={group_size} g={p.gamma:.2f} {us:8.2f} us  "
             f"{row['GBps']:7.1f} GB/s  floor {row['floor_us']:6.2f} us  launches {launches}")
@@ -309,7 +328,8 @@ def bench_fla(T: int, n: int, log, traced: bool = False) -> dict:
         f = lambda q, s, t, k, v, kl, C=C: grouped_verify(q, t, k, v, kl, s, cfg, mode="A", group_size=C)  # noqa
         res[f"ours_grouped_A_C{C}_us"] = round(time_loop(f, (k, v, kl), (q, sel, qp), n=n)[0], 2)
         if traced:
-            res[f"ours_grouped_A_C{C}_gpu_busy_us"] = _round(gpu_busy_us(f, (k, v, kl), (q, sel, qp), n=n))
+            for key, val in (gpu_busy(f, (k, v, kl), (q, sel, qp), n=n) or {}).items():
+                res[f"ours_grouped_A_C{C}_{key}"] = val
     f = lambda q, s, t, k, v, kl: naive_verify(q, t, k, v, kl, s, cfg)  # noqa: E731
     res["ours_naive_us"] = round(time_loop(f, (k, v, kl), (q, sel, qp), n=n)[0], 2)
     try:
@@ -333,9 +353,12 @@ def bench_fla(T: int, n: int, log, traced: bool = False) -> dict:
             calls()
         res["fla_parallel_nsa_fwd_us"] = torch_median_us(graph.replay, n)
         res["speedup_ours_A_C4_vs_fla"] = round(res["fla_parallel_nsa_fwd_us"] / res["ours_grouped_A_C4_us"], 2)
-        if res.get("ours_grouped_A_C4_gpu_busy_us"):
-            res["speedup_ours_A_C4_gpu_busy_vs_fla"] = round(
-                res["fla_parallel_nsa_fwd_us"] / res["ours_grouped_A_C4_gpu_busy_us"], 2)
+        if traced:  # device time against device time: both traced, neither with launch gaps
+            res["fla_gpu_busy_us"] = torch_gpu_busy_us(calls, n)
+            for C in (1, 4):
+                if res.get(f"ours_grouped_A_C{C}_gpu_busy_us"):
+                    res[f"speedup_ours_A_C{C}_gpu_busy_vs_fla_gpu_busy"] = round(
+                        res["fla_gpu_busy_us"] / res[f"ours_grouped_A_C{C}_gpu_busy_us"], 2)
     except Exception as e:  # noqa: BLE001
         res["fla_error"] = repr(e)[:400]
     log(f"fla comparison: {res}")
@@ -454,7 +477,7 @@ def main():
     ap.add_argument("--lower-only", action="store_true", help="lower every config for CUDA (CPU) and exit")
     ap.add_argument("--n", type=int, default=100, help="calls per timed loop")
     ap.add_argument("--traced", action="store_true",
-                    help="also record each kernel's traced GPU busy µs per call (gpu_busy_us; one profiler trace a row)")
+                    help="also record each kernel's traced GPU busy µs per call (gpu_busy; one profiler trace a row)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new points after this long")
     args = ap.parse_args()
     cfg = get_config("llama31-8b-nsa")
@@ -482,7 +505,8 @@ def main():
            "dtype": "bfloat16", "batch": 1, "extra_keys": "none (no in-tree keys)",
            "timing_method": f"N={args.n} calls inside one jit (lax.fori_loop over R={R} rotated (q, sel, q_pos, "
                             "gates) sets), host wall clock around block_until_ready, divided by N, minus the same loop with "
-                            "an empty body timed beside it in each repeat (us_empty_loop); median over 5 repeats",
+                            "an empty body (slicing every rotated input; before session 52 only q) timed beside it "
+                            "in each repeat (us_empty_loop); median over 5 repeats",
            "copy_ceiling_GBps": COPY_GBPS, "rows": []}
 
     def save():

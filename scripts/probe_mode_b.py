@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pallas_kernels import grouped_verify  # noqa: E402
 from pallas_kernels._common import split_count  # noqa: E402
-from scripts.bench_kernels import Point, gpu_busy_us, time_loop  # noqa: E402
+from scripts.bench_kernels import Point, gpu_busy, time_loop  # noqa: E402
 from ssv_jax.config import get_config  # noqa: E402
 
 
@@ -51,7 +51,9 @@ def main():
            "command": " ".join(["python", "scripts/probe_mode_b.py"] + sys.argv[1:]), "Q": 16, "gamma": 0.75,
            "timing": "bench_kernels.time_loop: N calls in one jit over R rotated inputs, minus the empty loop "
                      "timed beside it in each repeat (since session 51; us_loop, us_empty_loop); us_gpu_busy: "
-                     "bench_kernels.gpu_busy_us, the traced GPU busy time of the same loop minus the empty loop's",
+                     "bench_kernels.gpu_busy, the traced GPU busy time of the same loop minus the empty loop's (which "
+                     "slices every rotated input since session 52; before, only q); us_gpu_busy_kernel: the same "
+                     "trace's time in the Pallas kernels alone",
            "plan": "seeds outer, contexts inner, then the first (context, seed) again", "rows": [], "skipped": []}
     t0 = time.time()
     for T, seed in plan:
@@ -69,11 +71,13 @@ def main():
             us, loop, empty = time_loop(fn, static, rot, n=args.n)
             res["rows"].append(dict(T=T, seed=seed, kernel=f"grouped_{mode}", C=C, nsplit=ns, split_rule=rule,
                                     us=round(us, 2), us_loop=round(loop, 2), us_empty_loop=round(empty, 2)))
-            busy = gpu_busy_us(fn, static, rot, n=args.n) if args.traced else None
+            busy = gpu_busy(fn, static, rot, n=args.n) if args.traced else None
             if busy is not None:
-                res["rows"][-1]["us_gpu_busy"] = round(busy, 2)
-            print(f"T={T:6d} seed={seed} grouped_{mode} C={C} nsplit={ns:2d} ({rule}): {us:7.2f} us"
-                  + ("" if busy is None else f", GPU busy {busy:6.2f} us"), flush=True)
+                res["rows"][-1].update(us_gpu_busy=busy["gpu_busy_us"],
+                                       us_gpu_busy_kernel=busy["gpu_busy_nsa_kernel_us"])
+            print(f"T={T:6d} seed={seed} grouped_{mode} C={C} nsplit={ns:2d} ({rule}): {us:7.2f} us" + (
+                "" if busy is None else f", GPU busy {busy['gpu_busy_us']:6.2f} us "
+                                        f"({busy['gpu_busy_nsa_kernel_us']:6.2f} in the Pallas kernels)"), flush=True)
         del p
     res["wall_s"] = round(time.time() - t0, 1)
     with open(args.out, "w") as f:

@@ -843,12 +843,13 @@ def test_kernel_timing_measures_the_empty_loop_beside_every_repeat_of_the_full_o
 
 
 def test_traced_kernel_time_is_the_loops_gpu_busy_time_less_the_empty_loops(monkeypatch):
-    """`gpu_busy_us` reads GPU busy time from a profiler trace of the timed loop, subtracts the empty loop's (traced
-    once per input signature), and divides by the calls; with no GPU in the trace (CPU) it says so with None."""
+    """`gpu_busy` reads GPU busy time from a profiler trace of the timed loop, subtracts the empty loop's (traced
+    once per input signature), and divides by the calls; it also reports the time in our Pallas kernels alone. With
+    no GPU in the trace (CPU) it says so with None."""
     import jax.numpy as jnp
     bk = _script("bench_kernels")
     n, rot, static = 10, (jnp.ones((bk.R, 4, 4)),), (jnp.ones((4, 4)),)
-    assert bk.gpu_busy_us(lambda q, w: q @ w, static, rot, n=n) is None  # this machine's trace has no GPU
+    assert bk.gpu_busy(lambda q, w: q @ w, static, rot, n=n) is None  # this machine's trace has no GPU
 
     empty_ops = {"dynamic-slice": [20.0, 10], "loop-cond": [10.0, 10]}  # 3 µs an iteration
     traces = iter([{"/device:GPU:0 (H100)": empty_ops},
@@ -862,6 +863,55 @@ def test_traced_kernel_time_is_the_loops_gpu_busy_time_less_the_empty_loops(monk
 
     monkeypatch.setattr(bk.timing, "traced_gpu_ops", fake_trace)
     monkeypatch.setattr(bk, "_EMPTY_BUSY", {})
-    assert bk.gpu_busy_us(lambda q, w: q @ w, static, rot, n=n) == pytest.approx(5.0)  # kernel 4.2 + combine 0.8
-    assert bk.gpu_busy_us(lambda q, w: q + w, static, rot, n=n) == pytest.approx(7.0)
+    grouped = bk.gpu_busy(lambda q, w: q @ w, static, rot, n=n)
+    assert grouped == pytest.approx(dict(gpu_busy_us=5.0, gpu_busy_nsa_kernel_us=4.2))  # kernel 4.2 + combine 0.8
+    assert bk.gpu_busy(lambda q, w: q + w, static, rot, n=n) == pytest.approx(
+        dict(gpu_busy_us=7.0, gpu_busy_nsa_kernel_us=7.0))
     assert len(traced) == 3  # the empty loop was traced once for both kernels
+
+
+def test_the_empty_timing_loop_slices_every_rotated_input():
+    """What `time_loop` subtracts is the full loop's own overhead: the empty loop slices each rotated input at step
+    i (i % R), as the full loop must to feed its call, not only the first."""
+    import jax.numpy as jnp
+    bk = _script("bench_kernels")
+    rot = (jnp.arange(bk.R * 3.0).reshape(bk.R, 3), jnp.arange(bk.R * 2, dtype=jnp.int32).reshape(bk.R, 2))
+    n = bk.R + 3
+    out = bk._timing_loop(None, rot, n)((), rot)
+    assert len(out) == 2
+    for got, x in zip(out, rot):
+        np.testing.assert_array_equal(got, x[(n - 1) % bk.R])
+
+
+def test_torch_busy_time_sums_the_traced_device_ops_per_call(monkeypatch):
+    """fla's busy time (`torch_gpu_busy_us`) counts the kernels, copies and sets of a torch profiler trace, not the
+    host-side ops or launches, and divides by the calls run() issued."""
+    import types
+    bk = _script("bench_kernels")
+    trace = [{"ph": "X", "cat": "kernel", "name": "parallel_nsa_fwd_kernel", "dur": 50.0},
+             {"ph": "X", "cat": "kernel", "name": "parallel_nsa_fwd_kernel", "dur": 52.0},
+             {"ph": "X", "cat": "gpu_memset", "name": "Memset", "dur": 2.0},
+             {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 400.0},
+             {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "dur": 30.0},
+             {"ph": "i", "cat": "kernel", "name": "marker"}]
+    ran = []
+
+    class Profile:
+        def __init__(self, activities):
+            assert activities == ["CUDA"]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def export_chrome_trace(self, path):
+            Path(path).write_text(json.dumps({"traceEvents": trace}))
+
+    profiler = types.SimpleNamespace(profile=Profile, ProfilerActivity=types.SimpleNamespace(CUDA="CUDA"))
+    torch = types.SimpleNamespace(profiler=profiler, cuda=types.SimpleNamespace(synchronize=lambda: ran.append("sync")))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
+    assert bk.torch_gpu_busy_us(lambda: ran.append("run"), n=2) == pytest.approx(52.0)
+    assert ran == ["run", "sync"]
