@@ -915,3 +915,33 @@ def test_torch_busy_time_sums_the_traced_device_ops_per_call(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
     assert bk.torch_gpu_busy_us(lambda: ran.append("run"), n=2) == pytest.approx(52.0)
     assert ran == ["run", "sync"]
+
+
+def test_kernel_targets_are_summarized_by_the_loop_and_again_by_traced_busy_time():
+    """`bench_kernels.summarize` fills the issue's targets from the rows at 64K, gamma 0.75 (C=4, and the best C),
+    by the loop figure; rows traced with --traced give a second table by GPU busy time, where fla is divided by its
+    own busy time when that was traced."""
+    bk = _script("bench_kernels")
+
+    def row(kernel, C, us, busy, Q=16, T=65536):
+        return dict(kernel=kernel, T=T, Q=Q, C=C, gamma=0.75, us=us, gpu_busy_us=busy)
+
+    res = {"rows": [row("grouped_B", 4, 7.6, 12.9), row("grouped_B", 8, 6.9, 12.2), row("grouped_B", 2, 9.1, 15.7),
+                    row("grouped_B", 4, 1.0, 1.0, T=8192), row("grouped_A", 4, 16.6, 25.5, Q=64),
+                    dict(kernel="naive", T=65536, Q=16, C=4, gamma=0.75, error="boom")],
+           "fla": {"ours_grouped_A_C1_us": 12.3, "ours_grouped_A_C4_us": 15.3, "fla_parallel_nsa_fwd_us": 25.9,
+                   "ours_grouped_A_C1_gpu_busy_us": 16.9, "ours_grouped_A_C4_gpu_busy_us": 23.2,
+                   "fla_gpu_busy_us": 20.3}}
+    out = bk.summarize(res)
+    assert out["grouped_B_Q16_us"]["C4"] == 7.6 and out["grouped_B_Q16_us"]["best"] == {"us": 6.9, "C": 8}
+    assert out["grouped_A_Q64_us"]["C4"] == 16.6 and out["naive_Q16_us"]["value"] is None
+    assert out["vs_fla_TQ16_64K"]["speedup_C4"] == round(25.9 / 15.3, 2)
+    assert out["vs_fla_TQ16_64K"]["speedup_best"] == round(25.9 / 12.3, 2)
+    busy = out["traced_gpu_busy"]
+    assert busy["grouped_B_Q16_us"]["C4"] == 12.9 and busy["grouped_B_Q16_us"]["best"] == {"us": 12.2, "C": 8}
+    assert busy["vs_fla_TQ16_64K"]["fla_figure"] == "fla_gpu_busy_us"
+    assert busy["vs_fla_TQ16_64K"]["speedup_C4"] == round(20.3 / 23.2, 2)
+
+    for r in res["rows"]:
+        r.pop("gpu_busy_us", None)
+    assert "traced_gpu_busy" not in bk.summarize(res)  # an untraced table has only the loop's
