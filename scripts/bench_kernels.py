@@ -131,13 +131,18 @@ def _measure_pair(full, empty, static, rot, n: int, repeats: int) -> tuple[float
             statistics.median(e for _, e in ts))
 
 
+def _body(fn):
+    """One timed step on the sliced rotated inputs `cur`: fn(*cur, *static); fn None gives the empty step, which
+    returns every slice (as the full step must make them for its call), so subtracting it leaves fn's own work."""
+    return (lambda cur, st: cur) if fn is None else (lambda cur, st: fn(*cur, *st))
+
+
 def _timing_loop(fn, rot_args, n: int):
-    """The jitted loop of n calls of fn(*rot_args[i % R], *static_args); fn None gives the empty loop, which only
-    slices every rotated input (as the full loop must before its call), so subtracting it leaves fn's own work.
-    One per (fn, n, input signature), so timing and tracing share its compilation."""
+    """The jitted loop of n `_body(fn)` steps over rot_args[i % R]; fn None gives the empty loop. One per (fn, n,
+    input signature), so timing and tracing share its compilation."""
     key = (fn, n, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(rot_args)))
     if key not in _LOOPS:
-        _LOOPS[key] = _loop((lambda cur, st: cur) if fn is None else (lambda cur, st: fn(*cur, *st)), n)
+        _LOOPS[key] = _loop(_body(fn), n)
     return _LOOPS[key]
 
 
@@ -370,8 +375,7 @@ def time_unrolled(fn, static_args, rot_args, n: int = 32, repeats: int = 10):
     indexing), host wall clock, minus the same jit returning only the rotated inputs (`_measure_pair`); per call."""
     def make(body):
         return jax.jit(lambda st, rot: [body(tuple(x[i % R] for x in rot), st) for i in range(n)])
-    return _measure_pair(make(lambda cur, st: fn(*cur, *st)), make(lambda cur, st: cur[0]), static_args, rot_args,
-                         n, repeats)
+    return _measure_pair(make(_body(fn)), make(_body(None)), static_args, rot_args, n, repeats)
 
 
 def tune(p: Point, log, budget_end: float) -> list:
