@@ -81,6 +81,7 @@ def test_planner_trace_notebook(tmp_path, monkeypatch):
 
 def test_plot_results_writes_the_figures_whose_json_exists(tmp_path):
     pytest.importorskip("matplotlib")
+    Image = pytest.importorskip("PIL.Image")  # matplotlib depends on Pillow
     out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot_results.py"), "--out-dir",
                           str(tmp_path)], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     lines = out.strip().splitlines()
@@ -96,8 +97,10 @@ def test_plot_results_writes_the_figures_whose_json_exists(tmp_path):
         if missing:
             assert line.startswith(f"skipped: {missing[0]} missing") and not os.path.exists(path)
         else:
-            assert line == path and os.path.getsize(path) > 10_000
+            assert line == path and os.path.getsize(path) > 5_000
             with open(path, "rb") as f:
                 assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+            with Image.open(path) as im:  # a 256-colour palette keeps the committed figures small
+                assert im.mode == "P" and len(im.getcolors(256) or ()) > 2
     if not os.path.exists(os.path.join(RESULTS, "e2e_h200.json")):
         assert "skipped: e2e_h200.json missing" in out
