@@ -25,6 +25,8 @@ device time goes. `attribute` writes that summary too (`by_stage`).
 run's AR ms a token, the fixed policy's ms a round and tau; the attribution's drafting device time; and the
 wall cost of one more drafted level, from a profile with two depths of the fixed policy's top-k and budget;
 optionally (`--profile`) the AR step's and the drafting's GPU busy time traced on one lease by `profile_round.py`.
+With `--e2e-run RUN` the e2e figures come from `runs[RUN]` of a file that gathers several runs (e.g.
+`--e2e docs/results/e2e_s42_h200.json --e2e-run 15712`).
 """
 
 from __future__ import annotations
@@ -254,11 +256,17 @@ def ceiling(ar_ms: float, round_ms: float, tau: float, depth: int, draft_us: flo
     return out
 
 
-def _e2e_figures(path: str, context: int) -> dict:
+def _e2e_figures(path: str, context: int, run: str | None = None) -> dict:
     """AR ms a token, and the fixed policy (its description) with its ms a round, tau and depth, over the prompts of
-    an e2e JSON's top-level rows at `context` (decode time over rounds, summed over prompts)."""
+    an e2e JSON's rows at `context` (decode time over rounds, summed over prompts): its top-level rows, or with
+    `run` those of `runs[run]` (a file that gathers several bench_e2e.py runs)."""
     with open(path) as f:
         data = json.load(f)
+    if run is not None:
+        runs = data.get("runs", {})
+        if run not in runs:
+            raise SystemExit(f"--e2e-run={run!r} is not a run of {path}; accepted: {sorted(runs)}")
+        data = runs[run]
     rows = [r for r in data.get("rows", []) if r.get("context") == context]
     ar, ssv = ([r for r in rows if r["method"] == m] for m in ("ar", "ssv"))
     if not ar or not ssv:
@@ -293,7 +301,7 @@ def _level_ms(path: str, policy: str) -> float:
 def ceiling_cli(a) -> dict:
     """The `ceiling` subcommand: what a target speed-up over AR would take, from the benchmark files; prints and
     returns the bounds."""
-    fig = _e2e_figures(a.e2e, a.context)
+    fig = _e2e_figures(a.e2e, a.context, a.e2e_run)
     policy = fig["policy"]
     with open(a.ops) as f:
         runs = dict(attributions(json.load(f)))
@@ -310,7 +318,7 @@ def ceiling_cli(a) -> dict:
         device = (busy["ar"], busy["draft"])
     res = ceiling(fig["ar_ms"], fig["round_ms"], fig["tau"], fig["depth"], draft, _level_ms(a.levels, policy),
                   a.target, device=device)
-    res["sources"] = dict(e2e=a.e2e, context=a.context, ops=a.ops, run=a.run, levels=a.levels, policy=policy,
+    res["sources"] = dict(e2e=a.e2e, e2e_run=a.e2e_run, context=a.context, ops=a.ops, run=a.run, levels=a.levels, policy=policy,
                           profile=a.profile)
     print(f"AR {res['ar_ms']:.4f} ms/token; SSV {res['round_ms']:.4f} ms/round at tau {res['tau']:.2f} "
           f"(depth {res['depth']}): {res['measured']:.2f}x")
@@ -344,6 +352,8 @@ def main(argv=None):
     e = sub.add_parser("ceiling", help="what a target speed-up over AR would take, from measured figures")
     e.add_argument("--e2e", required=True, help="a bench_e2e.py JSON with 'ar' and 'ssv' rows at --context")
     e.add_argument("--context", type=int, required=True)
+    e.add_argument("--e2e-run", default=None, help="read the rows of this key under the --e2e file's 'runs' "
+                   "(files that gather several runs) instead of its top-level rows")
     e.add_argument("--ops", required=True, help="a JSON holding round attributions (`attribute --out`)")
     e.add_argument("--run", required=True, help="the attribution's label in --ops, as `stages` prints it")
     e.add_argument("--levels", required=True, help="a profile_policies.py JSON with two depths of the fixed tree")

@@ -649,7 +649,8 @@ def test_round_ops_ceiling_bounds_what_a_target_speedup_over_ar_would_take():
 def test_round_ops_ceiling_reads_its_figures_from_the_benchmark_files(tmp_path, capsys):
     """AR ms a token and the round's ms and tau come from the e2e rows at the context (decode time over rounds,
     over all prompts), the drafting µs from the named attribution's drafting stage, and the cost of a level from
-    the profile's two depths of the fixed tree; a missing run or a profile with one depth is refused by name."""
+    the profile's two depths of the fixed tree (or, with --e2e-run, from one run of a file that gathers several);
+    a missing run or a profile with one depth is refused by name."""
     ro = _script("round_ops")
     fixed = SSVPolicy(top_k=4, depth=6, budget=32, order="dfs", schedule=4, precision="strict", backend="kernel")
     rows = [dict(context=99, method="ar", decode_s=0.04, rounds=100, tau=1.0, policy=None),
@@ -680,6 +681,11 @@ def test_round_ops_ceiling_reads_its_figures_from_the_benchmark_files(tmp_path, 
     (tmp_path / "prof_round.json").write_text(json.dumps(dict(reading=dict(gpu_busy_us=dict(ar=300.0, draft=100.0)))))
     dev = ro.main(args + ["--run", "runs/x", "--profile", str(tmp_path / "prof_round.json")])["device_only"]
     assert dev == dict(ar_us=300.0, draft_us=100.0, speedup=pytest.approx(4.4 * 300.0 / 400.0))
+    (tmp_path / "runs.json").write_text(json.dumps(dict(runs={"99": dict(fixed_policy=fixed.describe(), rows=rows)})))
+    nested = ["--e2e", str(tmp_path / "runs.json"), "--run", "runs/x"]
+    assert ro.main(args + nested + ["--e2e-run", "99"])["measured"] == pytest.approx(want["measured"])
+    with pytest.raises(SystemExit, match="accepted: \\['99'\\]"):
+        ro.main(args + nested + ["--e2e-run", "98"])
     (tmp_path / "prof.json").write_text(json.dumps(dict(buckets={"16K": prof[:1]})))
     with pytest.raises(SystemExit, match="fewer than two depths"):
         ro.main(args + ["--run", "runs/x"])
