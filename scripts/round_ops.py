@@ -318,8 +318,8 @@ def ceiling_cli(a) -> dict:
         device = (busy["ar"], busy["draft"])
     res = ceiling(fig["ar_ms"], fig["round_ms"], fig["tau"], fig["depth"], draft, _level_ms(a.levels, policy),
                   a.target, device=device)
-    res["sources"] = dict(e2e=a.e2e, e2e_run=a.e2e_run, context=a.context, ops=a.ops, run=a.run, levels=a.levels, policy=policy,
-                          profile=a.profile)
+    res["sources"] = dict(e2e=a.e2e, e2e_run=a.e2e_run, context=a.context, ops=a.ops, run=a.run, levels=a.levels,
+                          policy=policy, profile=a.profile)
     print(f"AR {res['ar_ms']:.4f} ms/token; SSV {res['round_ms']:.4f} ms/round at tau {res['tau']:.2f} "
           f"(depth {res['depth']}): {res['measured']:.2f}x")
     print(f"{a.target}x at tau {res['tau']:.2f} needs a round of {res['round_needed_ms']:.4f} ms")
