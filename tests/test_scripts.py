@@ -876,6 +876,20 @@ def test_traced_kernel_time_is_the_loops_gpu_busy_time_less_the_empty_loops(monk
     assert len(traced) == 3  # the empty loop was traced once for both kernels
 
 
+def test_an_empty_trace_on_a_gpu_is_an_error_not_a_missing_figure(monkeypatch):
+    """CUPTI takes one subscriber a process: once torch's profiler has traced fla, JAX's traces hold no GPU events.
+    On a GPU backend `gpu_busy` says so (`TracerTaken`) instead of returning None as it does on CPU, where a trace
+    has no GPU to hold."""
+    import jax.numpy as jnp
+    bk = _script("bench_kernels")
+    n, rot, static = 10, (jnp.ones((bk.R, 4, 4)),), (jnp.ones((4, 4)),)
+    monkeypatch.setattr(bk.timing, "traced_gpu_ops", lambda fn, trace_dir: {})
+    monkeypatch.setattr(bk, "_EMPTY_BUSY", {})
+    monkeypatch.setattr(bk.jax, "default_backend", lambda: "gpu")
+    with pytest.raises(bk.TracerTaken, match="CUPTI"):
+        bk.gpu_busy(lambda q, w: q @ w, static, rot, n=n)
+
+
 def test_the_empty_timing_loop_slices_every_rotated_input():
     """What `time_loop` subtracts is the full loop's own overhead: the empty loop slices each rotated input at step
     i (i % R), as the full loop must to feed its call, not only the first."""
