@@ -1,6 +1,7 @@
 """The benchmark and profiling scripts' contracts, at the tiny preset on CPU: what they write, not how fast."""
 
 import argparse
+import collections
 import importlib
 import json
 import sys
@@ -888,6 +889,26 @@ def test_an_empty_trace_on_a_gpu_is_an_error_not_a_missing_figure(monkeypatch):
     monkeypatch.setattr(bk.jax, "default_backend", lambda: "gpu")
     with pytest.raises(bk.TracerTaken, match="CUPTI"):
         bk.gpu_busy(lambda q, w: q @ w, static, rot, n=n)
+
+
+def test_the_traced_table_runs_every_jax_trace_before_fla_s_torch_trace(monkeypatch, tmp_path):
+    """Because torch's profiler keeps CUPTI once it has traced, `bench_kernels.py --traced` times and traces every
+    table point before the fla comparison, and fla still runs (outside --budget-s) when the budget is spent."""
+    bk = _script("bench_kernels")
+    order = []
+    monkeypatch.setattr(bk, "check_correctness", lambda cfg, T, Q, log: {})
+    monkeypatch.setattr(bk, "bench_top_n", lambda log: [])
+    monkeypatch.setattr(bk, "Point", collections.namedtuple("Point", "cfg T Q gamma"))
+    monkeypatch.setattr(bk, "bench_point", lambda p, C, names, n, rows, log, traced: order.append(("table", traced)))
+    monkeypatch.setattr(bk, "bench_fla", lambda T, n, log, traced: order.append(("fla", traced)) or {})
+    monkeypatch.setattr(bk, "summarize", lambda res: {})
+    for budget, points in (("1e9", 23), ("0", 0)):  # the whole plan (5 contexts x 3 Q, + C and gamma sweeps); none
+        order.clear()
+        monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--traced", "--budget-s", budget,
+                                         "--out", str(tmp_path / "k.json")])
+        bk.main()
+        assert order == [("table", True)] * points + [("fla", True)]
+        assert len(json.loads((tmp_path / "k.json").read_text())["skipped"]) == 23 - points
 
 
 def test_the_empty_timing_loop_slices_every_rotated_input():
