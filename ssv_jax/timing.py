@@ -75,9 +75,15 @@ def op_category(name: str) -> str:
     return "other"
 
 
+class TracerTaken(RuntimeError):
+    """A JAX profiler trace on a GPU backend held no GPU events: another CUPTI subscriber (torch's profiler, once it
+    has traced) holds the device, and CUPTI takes one subscriber a process."""
+
+
 def traced_gpu_ops(fn, trace_dir: str) -> dict:
     """Run `fn()` under the JAX profiler and read the perfetto trace back: {gpu process name: {op name: [total
-    us, count]}} over the complete ("X") events of each GPU process (one per device)."""
+    us, count]}} over the complete ("X") events of each GPU process (one per device); {} on a machine without a
+    GPU. Raises `TracerTaken` for a trace without GPU events on a GPU backend rather than returning {}."""
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready(fn())
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
@@ -92,6 +98,9 @@ def traced_gpu_ops(fn, trace_dir: str) -> dict:
             row = out.setdefault(gpu[e["pid"]], {}).setdefault(e["name"], [0.0, 0])
             row[0] += e["dur"]
             row[1] += 1
+    if not out and jax.default_backend() == "gpu":
+        raise TracerTaken("the JAX profiler trace holds no GPU events on a GPU backend: another profiler in this "
+                          "process (torch's) holds CUPTI; trace with JAX first")
     return out
 
 

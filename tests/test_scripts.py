@@ -879,15 +879,26 @@ def test_traced_kernel_time_is_the_loops_gpu_busy_time_less_the_empty_loops(monk
 
 def test_an_empty_trace_on_a_gpu_is_an_error_not_a_missing_figure(monkeypatch):
     """CUPTI takes one subscriber a process: once torch's profiler has traced fla, JAX's traces hold no GPU events.
-    On a GPU backend `gpu_busy` says so (`TracerTaken`) instead of returning None as it does on CPU, where a trace
-    has no GPU to hold."""
+    On a GPU backend `gpu_busy` says so (`TracerTaken`, from `timing.traced_gpu_ops`, which every traced script
+    shares) instead of returning None as it does on CPU, where a trace has no GPU to hold."""
+    import contextlib
+    import gzip
+
     import jax.numpy as jnp
     bk = _script("bench_kernels")
     n, rot, static = 10, (jnp.ones((bk.R, 4, 4)),), (jnp.ones((4, 4)),)
-    monkeypatch.setattr(bk.timing, "traced_gpu_ops", lambda fn, trace_dir: {})
+
+    @contextlib.contextmanager
+    def host_only_trace(trace_dir, **kw):  # what a trace looks like when torch holds CUPTI: the host, no GPU
+        yield
+        with gzip.open(Path(trace_dir) / "t.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+                                       {"ph": "X", "name": "host op", "pid": 1, "dur": 5.0}]}, f)
+
+    monkeypatch.setattr(bk.timing.jax.profiler, "trace", host_only_trace)
     monkeypatch.setattr(bk, "_EMPTY_BUSY", {})
     monkeypatch.setattr(bk.jax, "default_backend", lambda: "gpu")
-    with pytest.raises(bk.TracerTaken, match="CUPTI"):
+    with pytest.raises(bk.timing.TracerTaken, match="CUPTI"):
         bk.gpu_busy(lambda q, w: q @ w, static, rot, n=n)
 
 
