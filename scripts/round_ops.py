@@ -3,13 +3,13 @@
     python scripts/round_ops.py capture --checkpoint checkpoints/ssv-small --context 8192 --raw-dir $OUT/ops
     python scripts/round_ops.py attribute --raw-dir $OUT/ops --out docs/results/round_ops_8k_h200.json
 
-`capture` (GPU) compiles `_ssv_chunk` of the fixed policy (tree 4,6,32, dfs, P=4, strict, kernel) from one held-out
-prompt's prefilled state, writes the optimized HLO text, runs it once untimed and once timed, and traces a third call
-with `jax.profiler`; it writes `hlo.txt` and `trace_ops.json` ({op name: [total µs, count]} of the first GPU, the
-rounds run, host ms per round). `attribute` joins each traced op with the HLO instruction of that name (the trace
-writes `fusion_12` for `fusion.12`) and its stack frames, and sums ops and µs per round by the innermost `depth`
-frames in this repository (function:line), the launch-count map that `profile_round.py`'s top-op list lacks. The
-HLO is large (MBs); the JSON keeps the attribution only.
+`capture` (GPU) compiles `_ssv_chunk` of a fixed policy (`--tree`, default 4,6,32; dfs; `--schedule` P, default 4;
+strict; kernel) from one held-out prompt's prefilled state, writes the optimized HLO text, runs it once untimed and
+once timed, and traces a third call with `jax.profiler`; it writes `hlo.txt` and `trace_ops.json` ({op name: [total
+µs, count]} of the first GPU, the rounds run, host ms per round). `attribute` joins each traced op with the HLO
+instruction of that name (the trace writes `fusion_12` for `fusion.12`) and its stack frames, and sums ops and µs per
+round by the innermost `depth` frames in this repository (function:line), the launch-count map that
+`profile_round.py`'s top-op list lacks. The HLO is large (MBs); the JSON keeps the attribution only.
 
     python scripts/round_ops.py stages docs/results/round_ops_15k_h200.json
 
@@ -162,14 +162,12 @@ def capture(a) -> None:
 
     from ssv_jax import model as M
     from ssv_jax import timing
-    from ssv_jax.generate_cli import load_model, prompts
-    from ssv_jax.policy import SSVPolicy
+    from ssv_jax.generate_cli import bench_policy, load_model, prompts
     from ssv_jax.speculative import _ssv_chunk
 
     os.makedirs(a.raw_dir, exist_ok=True)
     m, tok, _ = load_model(argparse.Namespace(random_preset=None, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
-    policy = SSVPolicy(top_k=4, depth=6, budget=32, order="dfs", group_size=4, backend="kernel", schedule=4,
-                       precision="strict")
+    policy = bench_policy(a.tree, a.schedule)
     name, p = prompts(tok, m.cfg.vocab_size, a.context, 1)[0]
     st0, eos = timing.prefilled_state(m, p, policy, 16 * (policy.depth + 1) * a.rounds)
     split = M.split_layers(m.params)
@@ -343,6 +341,9 @@ def main(argv=None):
     c.add_argument("--context", type=int, default=8192)
     c.add_argument("--rounds", type=int, default=8)
     c.add_argument("--raw-dir", required=True)
+    c.add_argument("--tree", type=int, nargs=3, default=[4, 6, 32], metavar=("TOP_K", "DEPTH", "BUDGET"),
+                   help="the fixed policy's tree (dfs, C=4, kernel backend)")
+    c.add_argument("--schedule", type=int, default=4, help="the fixed policy's refresh period P")
     t = sub.add_parser("attribute", help="ops per round by source line, from a capture's files")
     t.add_argument("--raw-dir", required=True, nargs="+", help="one or more capture folders")
     t.add_argument("--depth", type=int, default=2, help="frames of the source chain to group by")
@@ -371,8 +372,9 @@ def main(argv=None):
                 json.dump(res, f, indent=1)
         return res
     if a.cmd == "capture":
-        if a.context < 1 or a.rounds < 1:
-            raise SystemExit(f"--context={a.context} / --rounds={a.rounds} are invalid; accepted: integers >= 1")
+        if min(a.context, a.rounds, a.schedule, *a.tree) < 1:
+            raise SystemExit(f"--context={a.context} / --rounds={a.rounds} / --tree={a.tree} / "
+                             f"--schedule={a.schedule} are invalid; accepted: integers >= 1")
         return capture(a)
     if a.depth < 1:
         raise SystemExit(f"--depth={a.depth} is invalid; accepted: an integer >= 1")

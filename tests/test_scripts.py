@@ -728,6 +728,17 @@ def test_xla_flag_sweep_takes_bench_arguments_only_with_e2e(tmp_path):
         _script("sweep_xla_flags").main(["--out", str(tmp_path / "x.json"), "--", "--contexts", "256"])
 
 
+def test_round_ops_capture_refuses_a_bad_tree_or_period_by_name(tmp_path):
+    """`capture --tree TOP_K DEPTH BUDGET --schedule P` picks the traced policy; a value below 1 is refused, naming
+    it, before anything is loaded."""
+    ro = _script("round_ops")
+    with pytest.raises(SystemExit, match=r"--tree=\[4, 0, 24\].*accepted: integers >= 1"):
+        ro.main(["capture", "--raw-dir", str(tmp_path), "--tree", "4", "0", "24", "--schedule", "8"])
+    with pytest.raises(SystemExit, match="--schedule=0"):
+        ro.main(["capture", "--raw-dir", str(tmp_path), "--tree", "4", "5", "24", "--schedule", "0"])
+    assert not any(tmp_path.iterdir())
+
+
 def test_round_ops_stages_sum_an_attribution_by_stage_of_the_round(tmp_path, capsys):
     """Each source chain lands in one stage: the head's projections inside `draft_extend` count as committing, a
     `_common` helper as the kernel that calls it, a kernel known only by name by that name, the round's own
