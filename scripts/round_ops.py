@@ -25,6 +25,9 @@ device time goes. `attribute` writes that summary too (`by_stage`).
 run's AR ms a token, the fixed policy's ms a round and tau; the attribution's drafting device time; and the
 wall cost of one more drafted level, from a profile with two depths of the fixed policy's top-k and budget;
 optionally (`--profile`) the AR step's and the drafting's GPU busy time traced on one lease by `profile_round.py`.
+Without `--ops`, drafting's device time is that profile's draft stage (traced alone, not inside the round), for
+contexts `capture` cannot hold (the room it reserves, 16 × (depth + 1) tokens a round, overruns the bundle's 16K
+cache at 15.7K).
 With `--e2e-run RUN` the e2e figures come from `runs[RUN]` of a file that gathers several runs (e.g.
 `--e2e docs/results/e2e_s42_h200.json --e2e-run 15712`).
 """
@@ -301,11 +304,6 @@ def ceiling_cli(a) -> dict:
     returns the bounds."""
     fig = _e2e_figures(a.e2e, a.context, a.e2e_run)
     policy = fig["policy"]
-    with open(a.ops) as f:
-        runs = dict(attributions(json.load(f)))
-    if a.run not in runs:
-        raise SystemExit(f"--run={a.run!r} is not an attribution in {a.ops}; accepted: {sorted(runs)}")
-    draft = next(r["us"] for r in by_stage(runs[a.run]["by_source"]) if r["stage"] == "drafting")
     device = None
     if a.profile:
         with open(a.profile) as f:
@@ -314,10 +312,22 @@ def ceiling_cli(a) -> dict:
             raise SystemExit(f"{a.profile} has no reading.gpu_busy_us with 'ar' and 'draft'; accepted: a "
                              f"profile_round.py output")
         device = (busy["ar"], busy["draft"])
+    if a.ops is None:  # drafting's device time from the profile's draft stage traced alone
+        if device is None or a.run is not None:
+            raise SystemExit("--ops is missing; accepted: --ops FILE --run LABEL (drafting from a round's "
+                             "attribution) or --profile FILE alone (drafting from profile_round's draft stage)")
+        draft = device[1]
+    else:
+        with open(a.ops) as f:
+            runs = dict(attributions(json.load(f)))
+        if a.run not in runs:
+            raise SystemExit(f"--run={a.run!r} is not an attribution in {a.ops}; accepted: {sorted(runs)}")
+        draft = next(r["us"] for r in by_stage(runs[a.run]["by_source"]) if r["stage"] == "drafting")
     res = ceiling(fig["ar_ms"], fig["round_ms"], fig["tau"], fig["depth"], draft, _level_ms(a.levels, policy),
                   a.target, device=device)
     res["sources"] = dict(e2e=a.e2e, e2e_run=a.e2e_run, context=a.context, ops=a.ops, run=a.run, levels=a.levels,
-                          policy=policy, profile=a.profile)
+                          policy=policy, profile=a.profile,
+                          drafting="the round's attribution" if a.ops else "the profile's draft stage alone")
     print(f"AR {res['ar_ms']:.4f} ms/token; SSV {res['round_ms']:.4f} ms/round at tau {res['tau']:.2f} "
           f"(depth {res['depth']}): {res['measured']:.2f}x")
     print(f"{a.target}x at tau {res['tau']:.2f} needs a round of {res['round_needed_ms']:.4f} ms")
@@ -355,8 +365,9 @@ def main(argv=None):
     e.add_argument("--context", type=int, required=True)
     e.add_argument("--e2e-run", default=None, help="read the rows of this key under the --e2e file's 'runs' "
                    "(files that gather several runs) instead of its top-level rows")
-    e.add_argument("--ops", required=True, help="a JSON holding round attributions (`attribute --out`)")
-    e.add_argument("--run", required=True, help="the attribution's label in --ops, as `stages` prints it")
+    e.add_argument("--ops", default=None, help="a JSON holding round attributions (`attribute --out`); without it "
+                   "drafting's device time is --profile's draft stage")
+    e.add_argument("--run", default=None, help="the attribution's label in --ops, as `stages` prints it")
     e.add_argument("--levels", required=True, help="a profile_policies.py JSON with two depths of the fixed tree")
     e.add_argument("--profile", default=None, help="a profile_round.py JSON: the device-time-only bound from its "
                    "traced AR step and drafting")

@@ -682,6 +682,12 @@ def test_round_ops_ceiling_reads_its_figures_from_the_benchmark_files(tmp_path, 
     (tmp_path / "prof_round.json").write_text(json.dumps(dict(reading=dict(gpu_busy_us=dict(ar=300.0, draft=100.0)))))
     dev = ro.main(args + ["--run", "runs/x", "--profile", str(tmp_path / "prof_round.json")])["device_only"]
     assert dev == dict(ar_us=300.0, draft_us=100.0, speedup=pytest.approx(4.4 * 300.0 / 400.0))
+    no_ops = [a for a in args if a not in ("--ops", str(tmp_path / "ops.json"))]
+    alone = ro.main(no_ops + ["--profile", str(tmp_path / "prof_round.json")])  # drafting: the profile's 100 µs
+    assert alone["draft_us"] == 100.0 and alone["sources"]["drafting"] == "the profile's draft stage alone"
+    assert alone["verify_as_cheap_as_ar"] == pytest.approx(4.4 * 0.4 / (0.4 + 0.1))
+    with pytest.raises(SystemExit, match="--ops is missing"):
+        ro.main(no_ops)
     (tmp_path / "runs.json").write_text(json.dumps(dict(runs={"99": dict(fixed_policy=fixed.describe(), rows=rows)})))
     nested = ["--e2e", str(tmp_path / "runs.json"), "--run", "runs/x"]
     assert ro.main(args + nested + ["--e2e-run", "99"])["measured"] == pytest.approx(want["measured"])
