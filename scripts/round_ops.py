@@ -25,9 +25,7 @@ device time goes. `attribute` writes that summary too (`by_stage`).
 run's AR ms a token, the fixed policy's ms a round and tau; the attribution's drafting device time; and the
 wall cost of one more drafted level, from a profile with two depths of the fixed policy's top-k and budget;
 optionally (`--profile`) the AR step's and the drafting's GPU busy time traced on one lease by `profile_round.py`.
-Without `--ops`, drafting's device time is that profile's draft stage (traced alone, not inside the round), for
-contexts `capture` cannot hold (the room it reserves, 16 × (depth + 1) tokens a round, overruns the bundle's 16K
-cache at 15.7K).
+Without `--ops`, drafting's device time is that profile's draft stage, traced alone rather than inside the round.
 With `--e2e-run RUN` the e2e figures come from `runs[RUN]` of a file that gathers several runs (e.g.
 `--e2e docs/results/e2e_s42_h200.json --e2e-run 15712`).
 """
@@ -172,7 +170,7 @@ def capture(a) -> None:
     m, tok, _ = load_model(argparse.Namespace(random_preset=None, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
     policy = bench_policy(a.tree, a.schedule)
     name, p = prompts(tok, m.cfg.vocab_size, a.context, 1)[0]
-    st0, eos = timing.prefilled_state(m, p, policy, 16 * (policy.depth + 1) * a.rounds)
+    st0, eos = timing.prefilled_state(m, p, policy, a.rounds * (policy.depth + 1) + 1)  # one chunk's room
     split = M.split_layers(m.params)
     kw = dict(cfg=m.cfg, dcfg=m.draft_cfg, policy=policy, temperature=0.0, rounds=a.rounds, max_new=1 << 30)
     key = jax.random.key(0)
