@@ -651,7 +651,8 @@ def test_round_ops_ceiling_reads_its_figures_from_the_benchmark_files(tmp_path, 
     """AR ms a token and the round's ms and tau come from the e2e rows at the context (decode time over rounds,
     over all prompts), the drafting µs from the named attribution's drafting stage, and the cost of a level from
     the profile's two depths of the fixed tree (or, with --e2e-run, from one run of a file that gathers several);
-    a missing run or a profile with one depth is refused by name."""
+    without --ops the drafting µs are --profile's draft stage; a missing run, neither source of drafting, or a
+    profile with one depth is refused by name."""
     ro = _script("round_ops")
     fixed = SSVPolicy(top_k=4, depth=6, budget=32, order="dfs", schedule=4, precision="strict", backend="kernel")
     rows = [dict(context=99, method="ar", decode_s=0.04, rounds=100, tau=1.0, policy=None),
