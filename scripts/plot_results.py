@@ -53,6 +53,10 @@ Each figure is drawn only when all of its JSON files exist; one line per figure 
 - round_stages.png        round_ops_15k_h200.json, verify_prologue_h200.json
       python scripts/round_ops.py capture ... then attribute (the JSONs' "command"s)
   The bundled round's device time per stage (`round_ops.STAGES`), one bar per traced capture.
+- speedup_ceiling.png     speedup_ceiling_s42_h200.json, speedup_ceiling_best_s55_h100.json
+      python scripts/round_ops.py ceiling ...   (each JSON's "command", or RESULTS "What 3.5× would take")
+  Speed-up over AR against tree depth if every drafted token were accepted, beside the measured speed-up and the
+  bound of a round that costs one AR step plus drafting's device time, for each ceiling, against the 3.5× target.
 
 Every plot function takes the loaded JSON dict(s) and returns a matplotlib Figure, so notebooks can call them.
 """
@@ -577,6 +581,30 @@ def schedule_quality(q: dict, gpu: dict):
     return fig
 
 
+def speedup_ceiling(*ceilings: dict):
+    """speedup_ceiling_*.json (round_ops.py ceiling): per ceiling, the speed-up over AR against tree depth with every
+    drafted token accepted (the measured round plus `level_ms` a level), the measured speed-up at its depth, and the
+    bound of a round that costs one AR step plus drafting's device time; the target as a horizontal line."""
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    for j, c in enumerate(ceilings):
+        src = c["sources"]
+        e2e = os.path.basename(src["e2e"]).removesuffix(".json")
+        label = f"{src['policy'].split(' order')[0]} ({e2e})"
+        ph = c["perfect_head"]
+        ax.plot([p["depth"] for p in ph], [p["speedup"] for p in ph], "-", color=f"C{j}",
+                label=f"every token accepted: {label}")
+        ax.plot([c["depth"]], [c["measured"]], "o", color=f"C{j}", ms=7, label=f"measured (τ {c['tau']:.2f})")
+        ax.plot([c["depth"]], [c["verify_as_cheap_as_ar"]], "^", color=f"C{j}", ms=7,
+                label="round = AR step + drafting's device time")
+    target = ceilings[0]["target"]
+    ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target}×")
+    ax.set(xlabel="tree depth (drafted levels)", ylabel="speed-up over AR NSA", ylim=(1, None))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5, loc="lower right")
+    fig.suptitle(f"what {target}× would take, bundled model at {ceilings[0]['sources']['context']}")
+    fig.tight_layout()
+    return fig
+
 FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("roofline.png", roofline, ["kernels_h200.json"]),
     ("decode_layouts.png", decode_layouts, ["decode_profile_h200.json", "ar_8b_h200.json"]),
@@ -598,6 +626,7 @@ FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("mode_b.png", mode_b, ["ablation_mode_b_h200.json", "mode_b_agreement_cpu.json"]),
     ("mode_b_s46_h100.png", mode_b, ["ablation_mode_b_s46_h100.json", "mode_b_agreement_cpu.json"]),
     ("schedule_quality.png", schedule_quality, ["schedule_quality_cpu.json", "schedule_quality_16k_h100.json"]),
+    ("speedup_ceiling.png", speedup_ceiling, ["speedup_ceiling_s42_h200.json", "speedup_ceiling_best_s55_h100.json"]),
 ]
 
 
