@@ -104,3 +104,32 @@ def test_plot_results_writes_the_figures_whose_json_exists(tmp_path):
                 assert im.mode == "P" and len(im.getcolors(256) or ()) > 2
     if not os.path.exists(os.path.join(RESULTS, "e2e_h200.json")):
         assert "skipped: e2e_h200.json missing" in out
+
+
+def test_the_ceiling_figure_plots_each_ceilings_bounds_against_depth():
+    """speedup_ceiling.png: per ceiling JSON, the every-token-accepted curve over its depths, the measured speed-up
+    and the AR-step-plus-drafting bound at the policy's depth, and the target as a horizontal line."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import plot_results
+        import round_ops
+    finally:
+        sys.path.pop(0)
+    cs = [round_ops.ceiling(0.4, 1.0, 4.4, 6, 200.0, 0.05, 3.5, max_depth=9),
+          round_ops.ceiling(0.41, 0.87, 3.98, 5, 193.7, 0.032, 3.5, max_depth=9)]
+    for c, e2e in zip(cs, ("a.json", "b.json")):
+        c["sources"] = dict(e2e=e2e, policy="tree(k=4, depth=6, budget=32) order=dfs", context=15712)
+    fig = plot_results.speedup_ceiling(*cs)
+    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    for c, name in zip(cs, ("a", "b")):
+        curve = lines[f"every token accepted: tree(k=4, depth=6, budget=32) ({name})"]
+        assert list(curve.get_xdata()) == list(range(c["depth"], 10))
+        assert list(curve.get_ydata()) == pytest.approx([p["speedup"] for p in c["perfect_head"]])
+    points = [(ln.get_label(), ln.get_xdata()[0], ln.get_ydata()[0]) for ln in fig.axes[0].get_lines()
+              if ln.get_marker() in ("o", "^")]
+    assert points == [("measured (τ 4.40)", 6, pytest.approx(cs[0]["measured"])),
+                      ("round = AR step + drafting's device time", 6, pytest.approx(cs[0]["verify_as_cheap_as_ar"])),
+                      ("measured (τ 3.98)", 5, pytest.approx(cs[1]["measured"])),
+                      ("round = AR step + drafting's device time", 5, pytest.approx(cs[1]["verify_as_cheap_as_ar"]))]
+    assert lines["target 3.5×"].get_ydata()[0] == 3.5
