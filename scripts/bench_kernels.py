@@ -59,6 +59,9 @@ def positions(T: int, Q: int) -> np.ndarray:
     return (T + depth)[None].astype(np.int32)
 
 
+CONTEXTS = (65536, 131072, 8192, 16384, 32768)  # the table's grid, 64K and 128K first: the targets are stated there
+
+
 class Point:
     """Inputs of one (T, Q, gamma) point: a cache, compressed cache, and R rotated (q, sel, q_pos, gates)."""
 
@@ -499,7 +502,13 @@ def main():
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop starting new table points after this long (fla's comparison, ~45 s on an H100, "
                          "runs after the table)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), metavar="T",
+                    help=f"the table's contexts, run in this order (default {' '.join(map(str, CONTEXTS))}: the "
+                         f"targets' 64K and 128K first); the C and gamma sweeps run only at 65536")
     args = ap.parse_args()
+    bad = [T for T in args.contexts if T not in CONTEXTS]
+    if bad or len(set(args.contexts)) != len(args.contexts):
+        raise SystemExit(f"--contexts={args.contexts} is invalid; accepted: distinct values of {list(CONTEXTS)}")
     cfg = get_config("llama31-8b-nsa")
     if args.lower_only:
         return lower_only(cfg)
@@ -566,7 +575,7 @@ def main():
     save()
     parts = ["reuse_layer_split4", "refresh_part_cmp_kernel", "refresh_part_cmp_route", "refresh_part_slc_win"]
     plan = []
-    for T in (65536, 131072, 8192, 16384, 32768):  # 64K and 128K first: the targets are stated there
+    for T in args.contexts:
         for Q in (16, 64, 4):
             names = main_names + (["xla_ref_layer"] if Q == 16 else []) + (parts if Q == 16 and T >= 65536 else [])
             plan.append((T, Q, 0.75, 4, names))

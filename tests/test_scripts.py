@@ -922,7 +922,8 @@ def test_an_empty_trace_on_a_gpu_is_an_error_not_a_missing_figure(monkeypatch):
 
 def test_the_traced_table_runs_every_jax_trace_before_fla_s_torch_trace(monkeypatch, tmp_path):
     """Because torch's profiler keeps CUPTI once it has traced, `bench_kernels.py --traced` times and traces every
-    table point before the fla comparison, and fla still runs (outside --budget-s) when the budget is spent."""
+    table point before the fla comparison, and fla still runs (outside --budget-s) when the budget is spent.
+    `--contexts` runs only those contexts' points, in the order given, and refuses a context off the grid by name."""
     bk = _script("bench_kernels")
     order = []
     monkeypatch.setattr(bk, "check_correctness", lambda cfg, T, Q, log: {})
@@ -938,6 +939,16 @@ def test_the_traced_table_runs_every_jax_trace_before_fla_s_torch_trace(monkeypa
         bk.main()
         assert order == [("table", True)] * points + [("fla", True)]
         assert len(json.loads((tmp_path / "k.json").read_text())["skipped"]) == 23 - points
+    order.clear()  # --contexts: only those contexts' points, in the order given; 16K and 32K hold 3 each
+    monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--contexts", "32768", "16384", "--out",
+                                     str(tmp_path / "k.json")])
+    monkeypatch.setattr(bk, "bench_point", lambda p, C, names, n, rows, log, traced: order.append(p.T))
+    bk.main()
+    assert order == [32768] * 3 + [16384] * 3 + [("fla", False)]
+    for bad in (["4096"], ["16384", "16384"]):
+        monkeypatch.setattr("sys.argv", ["bench_kernels.py", "--contexts", *bad, "--out", str(tmp_path / "k.json")])
+        with pytest.raises(SystemExit, match="--contexts=.*accepted: distinct values of"):
+            bk.main()
 
 
 def test_the_empty_timing_loop_slices_every_rotated_input():
