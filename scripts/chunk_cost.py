@@ -31,7 +31,7 @@ import numpy as np
 from ssv_jax import model as M
 from ssv_jax import timing
 from ssv_jax.generate_cli import add_dtype_arg, bench_policy, load_model, prompts
-from ssv_jax.speculative import _ssv_chunk
+from ssv_jax.speculative import _ssv_chunk, rounds_tokens
 
 
 def chained_ms(run, st0, n: int, reps: int) -> tuple[float, float]:
@@ -83,7 +83,7 @@ def main(argv=None):
     d = a.tree[1]
     policy = bench_policy(a.tree, a.schedule, a.backend)
     name, p = prompts(tok, m.cfg.vocab_size, a.context, 1)[0]
-    st0, eos = timing.prefilled_state(m, p, policy, max(a.rounds) * (d + 1) + 1)
+    st0, eos = timing.prefilled_state(m, p, policy, rounds_tokens(max(a.rounds), d))
     split = M.split_layers(m.params)  # the rounds' weight layout, as in ssv_generate
     key = jax.random.key(0)
 

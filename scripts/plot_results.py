@@ -605,6 +605,7 @@ def speedup_ceiling(*ceilings: dict):
     fig.tight_layout()
     return fig
 
+
 FIGURES = [  # (png, function, the JSON files it reads, in argument order)
     ("roofline.png", roofline, ["kernels_h200.json"]),
     ("decode_layouts.png", decode_layouts, ["decode_profile_h200.json", "ar_8b_h200.json"]),

@@ -164,13 +164,13 @@ def capture(a) -> None:
     from ssv_jax import model as M
     from ssv_jax import timing
     from ssv_jax.generate_cli import bench_policy, load_model, prompts
-    from ssv_jax.speculative import _ssv_chunk
+    from ssv_jax.speculative import _ssv_chunk, rounds_tokens
 
     os.makedirs(a.raw_dir, exist_ok=True)
     m, tok, _ = load_model(argparse.Namespace(random_preset=None, checkpoint=a.checkpoint, seed=0, dtype=a.dtype))
     policy = bench_policy(a.tree, a.schedule)
     name, p = prompts(tok, m.cfg.vocab_size, a.context, 1)[0]
-    st0, eos = timing.prefilled_state(m, p, policy, a.rounds * (policy.depth + 1) + 1)  # one chunk's room
+    st0, eos = timing.prefilled_state(m, p, policy, rounds_tokens(a.rounds, policy.depth))
     split = M.split_layers(m.params)
     kw = dict(cfg=m.cfg, dcfg=m.draft_cfg, policy=policy, temperature=0.0, rounds=a.rounds, max_new=1 << 30)
     key = jax.random.key(0)

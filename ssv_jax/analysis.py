@@ -131,7 +131,7 @@ def mode_b_agreement(model, prompt_ids, policy: SSVPolicy, rounds: int, *, prefi
     for p in (policy, policy_a):
         p.check_for(m.cfg)
     rounds = int(rounds)
-    max_new = rounds * (policy.depth + 1) + 1
+    max_new = sp.rounds_tokens(rounds, policy.depth)
     prompt, tcache, dcache = sp.new_caches(m, prompt_ids, max_new, policy.depth, prefill_chunk)
     st = sp.first_state(m, prompt, tcache, dcache, jnp.int32(-2), max_new, policy.depth,
                         prefill_chunk=prefill_chunk, schedule=policy.schedule)

@@ -204,6 +204,12 @@ def ssv_prefill(m: SSVModel, prompt: np.ndarray, tcache, dcache, temperature: fl
     return tcache, holder["dcache"], holder["first"], holder["hidden"]
 
 
+def rounds_tokens(rounds: int, depth: int) -> int:
+    """The most tokens `rounds` rounds of depth-`depth` trees can emit after prefill's first: each round at most its
+    accepted drafts and the bonus, depth + 1. As `max_new_tokens`, caches that such a chunk never outgrows."""
+    return rounds * (depth + 1) + 1
+
+
 def new_caches(m: SSVModel, prompt_ids, max_new_tokens: int, max_depth: int, prefill_chunk: int = 512,
                cache_dtype=None):
     """The validated prompt [B, P] and empty target and head caches with room for it, a prefill chunk's padding,
